@@ -1,0 +1,25 @@
+"""cgx_jax: communication-efficient data-parallel training for JAX.
+
+CGX-style compressed all-reduce (Markov et al., arXiv 2111.08617): gradients travel as
+1-8-bit bucket-quantized packets, encoded and reduced by XLA FFI kernels (C++ on CPU, CUDA
+on GPU), moved only by XLA's own collectives.
+"""
+
+from cgx_jax.api import compressed_pmean, compressed_psum, dequantize, quantize
+from cgx_jax.codec import Codec, packet_bytes, wire_bytes
+from cgx_jax.kernels import has_cuda_support
+from cgx_jax.policy import LayerPolicy
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Codec",
+    "LayerPolicy",
+    "compressed_pmean",
+    "compressed_psum",
+    "dequantize",
+    "has_cuda_support",
+    "packet_bytes",
+    "quantize",
+    "wire_bytes",
+]

@@ -1,0 +1,109 @@
+"""The codec in pure ``jax.numpy``: the readable specification of the packet format
+(DESIGN.md section 2) and the ``backend="jax"`` fallback (TPU, or no compiled kernels).
+
+Same signatures as ``cgx_jax.kernels``. Layout, meta values and levels match the kernels,
+except where XLA rewrites float arithmetic (reciprocal multiplication, fused multiply-add)
+and a value on a rounding boundary lands one level away.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from cgx_jax.codec import Codec, packet_bytes
+
+_F32_MAX = np.float32(np.finfo(np.float32).max)
+
+
+def _mix32(x):
+    """lowbias32, as ``mix32`` in codec.h (uint32 arithmetic wraps)."""
+    x = x ^ (x >> 16)
+    x = x * jnp.uint32(0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = x * jnp.uint32(0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def uniform01(seed, counter):
+    """Uniform [0, 1) with 24 bits from ``(seed[0], seed[1], counter)``, as codec.h."""
+    h = _mix32(_mix32(counter ^ seed[0]) ^ seed[1])
+    return (h >> 8).astype(jnp.int32).astype(jnp.float32) * jnp.float32(2.0**-24)
+
+
+def _pack(levels, bits):
+    """[..., B] levels -> [..., B*bits/8] bytes, an LSB-first bit stream."""
+    shifts = jnp.arange(bits, dtype=jnp.uint32)
+    bitstream = (levels[..., None] >> shifts) & 1  # [..., B, bits]
+    bitstream = bitstream.reshape(*levels.shape[:-1], -1, 8)
+    return jnp.sum(bitstream << jnp.arange(8, dtype=jnp.uint32), axis=-1).astype(jnp.uint8)
+
+
+def _unpack(codes, bits):
+    """[..., B*bits/8] bytes -> [..., B] levels."""
+    bitstream = (codes[..., None].astype(jnp.uint32) >> jnp.arange(8, dtype=jnp.uint32)) & 1
+    bitstream = bitstream.reshape(*codes.shape[:-1], -1, bits)
+    return jnp.sum(bitstream << jnp.arange(bits, dtype=jnp.uint32), axis=-1)
+
+
+def quantize_rows(x, seed, codec: Codec):
+    """Same contract as ``cgx_jax.kernels.quantize_rows``."""
+    rows, n = x.shape
+    b, size = codec.bits, codec.bucket_size
+    values = x.astype(jnp.float32).reshape(rows, n // size, size)
+    finite = jnp.all(jnp.isfinite(values), axis=-1)
+    mn = jnp.min(values, axis=-1)
+    mx = jnp.max(values, axis=-1)
+    levels = jnp.float32(2**b - 1)
+    unit = mx / levels - mn / levels
+    unit = jnp.where(jnp.isfinite(unit), unit, _F32_MAX)
+    inv = jnp.where(unit > 0, 1.0 / jnp.where(unit > 0, unit, 1.0), 0.0).astype(jnp.float32)
+    if codec.stochastic:
+        counter = jnp.arange(rows * n, dtype=jnp.uint32).reshape(values.shape)
+        noise = uniform01(seed, counter)
+    else:
+        noise = jnp.float32(0.5)
+    t = (values - mn[..., None]) * inv[..., None] + noise
+    top = 2**b - 1
+    level = jnp.where(t >= top, top, jnp.where(t > 0, t.astype(jnp.int32), 0))
+    level = jnp.where(finite[..., None], level, 0).astype(jnp.uint32)
+    nan = jnp.float32(np.nan)
+    meta = jnp.stack([jnp.where(finite, mn, nan), jnp.where(finite, unit, nan)], axis=-1)
+    meta = jax.lax.bitcast_convert_type(meta, jnp.uint8).reshape(rows, -1)
+    codes = _pack(level, b).reshape(rows, -1)
+    return jnp.concatenate([meta, codes], axis=1)
+
+
+def dequantize_rows(packets, codec: Codec, n: int, dtype):
+    """Same contract as ``cgx_jax.kernels.dequantize_rows``."""
+    rows = packets.shape[0]
+    nb = n // codec.bucket_size
+    meta = jax.lax.bitcast_convert_type(
+        packets[:, : 8 * nb].reshape(rows, nb, 2, 4), jnp.float32)
+    mn, unit = meta[..., 0:1], meta[..., 1:2]
+    codes = packets[:, 8 * nb:].reshape(rows, nb, -1)
+    level = _unpack(codes, codec.bits).astype(jnp.float32)
+    offset = level * unit
+    # Half-scale path for buckets wider than the largest float, as decode_level in codec.h.
+    direct = jnp.isfinite(offset) | ~jnp.isfinite(unit)
+    halved = (mn * 0.5 + level * (unit * 0.5)) * 2.0
+    values = jnp.where(direct, mn + offset, halved)
+    return values.reshape(rows, n).astype(dtype)
+
+
+def reduce_requantize(peers, own, own_index, seed, codec: Codec, n: int, *,
+                      emit_packet: bool = True, emit_sum: bool = False):
+    """Same contract as ``cgx_jax.kernels.reduce_requantize``."""
+    num_peers = peers.shape[0]
+    if peers.shape[1] != packet_bytes(n, codec):
+        raise ValueError(f"peers rows must hold {packet_bytes(n, codec)} bytes, got {peers.shape[1]}")
+    decoded = dequantize_rows(peers, codec, n, jnp.float32)
+    if own is not None:
+        is_own = jnp.arange(num_peers)[:, None] == own_index
+        decoded = jnp.where(is_own, own.astype(jnp.float32)[None, :], decoded)
+    total = jnp.zeros((n,), jnp.float32)
+    for peer in range(num_peers):  # peer order 0..N-1, as the kernels
+        total = total + decoded[peer]
+    packet = quantize_rows(total[None, :], seed, codec)[0] if emit_packet else None
+    return packet, (total if emit_sum else None)

@@ -1,0 +1,114 @@
+"""Typed wrappers around the XLA FFI targets of ``xla_ffi/`` and their registration.
+
+The CPU module ``_cgx_cpu`` is always built; the CUDA module ``_cgx_cuda`` is optional and
+imported only when JAX has a GPU backend, so a CPU-only install never fails on import.
+Every wrapper works on 2-D ``[rows, n]`` arrays with ``n`` a multiple of the bucket size;
+padding and flattening belong to the callers (``cgx_jax.api``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from cgx_jax.codec import Codec, packet_bytes
+
+TARGETS = ("cgx_quantize", "cgx_dequantize", "cgx_reduce_requantize")
+
+
+def _jax_has_gpu() -> bool:
+    try:
+        return bool(jax.devices("gpu"))
+    except RuntimeError:
+        return False
+
+
+def _import_cuda_module():
+    try:
+        from cgx_jax import _cgx_cuda
+    except ImportError:
+        return None
+    return _cgx_cuda
+
+
+def has_cuda_support() -> bool:
+    """Whether this build of cgx_jax contains the CUDA kernels (module ``_cgx_cuda``).
+
+    Example:
+        >>> import cgx_jax as cgx
+        >>> isinstance(cgx.has_cuda_support(), bool)
+        True
+    """
+    return _import_cuda_module() is not None
+
+
+@functools.cache
+def _register() -> None:
+    """Registers the targets once, on first use: "cpu" always, "CUDA" when JAX has a GPU."""
+    from cgx_jax import _cgx_cpu
+
+    for name, capsule in _cgx_cpu.registrations().items():
+        jax.ffi.register_ffi_target(name, capsule, platform="cpu")
+    if not _jax_has_gpu():
+        return
+    cuda = _import_cuda_module()
+    if cuda is None:
+        if jax.default_backend() == "gpu":
+            raise RuntimeError(
+                "JAX runs on a GPU but this cgx_jax build has no CUDA kernels. Rebuild with "
+                "the CUDA toolkit installed: CGX_JAX_CUDA=ON pip install --force-reinstall "
+                "--no-deps cgx_jax (or pass backend='jax' to use the pure-JAX codec)."
+            )
+        return
+    for name, capsule in cuda.registrations().items():
+        jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
+
+
+def _codec_attrs(codec: Codec) -> dict:
+    return dict(bits=np.int64(codec.bits), bucket_size=np.int64(codec.bucket_size))
+
+
+def quantize_rows(x: jax.Array, seed: jax.Array, codec: Codec) -> jax.Array:
+    """Encodes each row of ``x`` ``[rows, n]`` (f32/bf16/f16) as one packet -> ``uint8 [rows, P]``.
+
+    ``seed`` is ``uint32[2]``; the stochastic noise of element ``(r, j)`` is keyed by the seed
+    and the flat index ``r * n + j``.
+    """
+    _register()
+    rows, n = x.shape
+    out = jax.ShapeDtypeStruct((rows, packet_bytes(n, codec)), jnp.uint8)
+    call = jax.ffi.ffi_call("cgx_quantize", out, vmap_method="sequential")
+    return call(x, seed, stochastic=codec.stochastic, **_codec_attrs(codec))
+
+
+def dequantize_rows(packets: jax.Array, codec: Codec, n: int, dtype) -> jax.Array:
+    """Decodes packets ``uint8 [rows, P]`` of ``n`` values each -> ``[rows, n]`` of ``dtype``."""
+    _register()
+    out = jax.ShapeDtypeStruct((packets.shape[0], n), dtype)
+    call = jax.ffi.ffi_call("cgx_dequantize", out, vmap_method="sequential")
+    return call(packets, **_codec_attrs(codec))
+
+
+def reduce_requantize(peers, own, own_index, seed, codec: Codec, n: int, *,
+                      emit_packet: bool = True, emit_sum: bool = False):
+    """The peer-to-peer reduction: decodes the ``N`` packets ``peers [N, P]`` of one chunk of
+    ``n`` values, sums them in f32 in peer order 0..N-1 (peer ``own_index`` replaced by the raw
+    ``own`` chunk unless ``own`` is None) and re-encodes the sum as one packet.
+
+    Returns ``(packet uint8[P] or None, sum f32[n] or None)``.
+    """
+    _register()
+    pbytes = packet_bytes(n, codec)
+    if own is None:
+        own = jnp.zeros((0,), jnp.float32)
+    outs = (
+        jax.ShapeDtypeStruct((pbytes if emit_packet else 0,), jnp.uint8),
+        jax.ShapeDtypeStruct((n if emit_sum else 0,), jnp.float32),
+    )
+    call = jax.ffi.ffi_call("cgx_reduce_requantize", outs, vmap_method="sequential")
+    packet, total = call(peers, own, jnp.asarray(own_index, jnp.int32), seed,
+                         stochastic=codec.stochastic, n=np.int64(n), **_codec_attrs(codec))
+    return (packet if emit_packet else None), (total if emit_sum else None)

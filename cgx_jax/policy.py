@@ -1,0 +1,120 @@
+"""Which leaves of a pytree are compressed, and with which codec.
+
+Leaves are named by their pytree path rendered as ``a/b/c`` (dict keys, attribute names and
+sequence indices), so the same regexes work for Flax linen ``params`` dicts and NNX states.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+
+from cgx_jax.codec import Codec
+
+# Layers below 16K values (64 KiB in f32) cost latency, not bandwidth: compressing them saves
+# little and spends their precision. CGX leaves such layers, biases and norms exact too.
+DEFAULT_MIN_SIZE = 16384
+
+
+def path_name(path) -> str:
+    """Renders a ``jax.tree_util`` key path as ``a/b/c``."""
+    parts = []
+    for entry in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(entry, attr):
+                parts.append(str(getattr(entry, attr)))
+                break
+        else:
+            parts.append(str(entry))
+    return "/".join(parts)
+
+
+def leaf_paths(tree) -> list[str]:
+    """The ``a/b/c`` names of the leaves of ``tree``, in ``tree_leaves`` order."""
+    return [path_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def is_compressible(leaf) -> bool:
+    return jnp.issubdtype(jnp.result_type(leaf), jnp.floating)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerPolicy:
+    """Decides per leaf: a ``Codec`` (compressed) or ``None`` (reduced exactly by ``psum``).
+
+    Rules, first match wins: non-floating leaves are exact; the first ``overrides`` regex that
+    matches the path gives the codec (``None`` for exact); a path matching an ``exclude``
+    regex is exact; leaves with fewer than ``min_ndim`` dimensions (biases, norm scales) or
+    fewer than ``min_size`` values are exact; everything else gets ``default``.
+
+    Frozen and hashable (``overrides`` is stored as a tuple of pairs).
+
+    Example:
+        >>> import cgx_jax as cgx, jax.numpy as jnp
+        >>> policy = cgx.LayerPolicy(default=cgx.Codec(bits=4), min_size=1024,
+        ...                          overrides={"head": cgx.Codec(bits=8)})
+        >>> tree = {"head": {"kernel": jnp.zeros((64, 64))}, "mlp": {"bias": jnp.zeros(64)}}
+        >>> [c and c.bits for c in jax.tree.leaves(policy.resolve(tree), is_leaf=lambda c: c is None)]
+        [8, None]
+    """
+
+    default: Codec | None = Codec()
+    min_size: int = DEFAULT_MIN_SIZE
+    min_ndim: int = 2
+    exclude: tuple[str, ...] = ()
+    overrides: Any = ()
+
+    def __post_init__(self):
+        if self.default is not None and not isinstance(self.default, Codec):
+            raise TypeError(f"default must be a Codec or None, got {self.default!r}")
+        for name in ("min_size", "min_ndim"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+        if isinstance(self.exclude, str):
+            object.__setattr__(self, "exclude", (self.exclude,))
+        object.__setattr__(self, "exclude", tuple(self.exclude))
+        pairs = self.overrides.items() if isinstance(self.overrides, Mapping) else self.overrides
+        pairs = tuple((pattern, codec) for pattern, codec in pairs)
+        for pattern, codec in pairs:
+            if codec is not None and not isinstance(codec, Codec):
+                raise TypeError(f"overrides[{pattern!r}] must be a Codec or None, got {codec!r}")
+        for pattern in (*self.exclude, *(p for p, _ in pairs)):
+            try:
+                re.compile(pattern)
+            except (re.error, TypeError) as err:
+                raise ValueError(f"invalid regex {pattern!r} in LayerPolicy: {err}") from None
+        object.__setattr__(self, "overrides", pairs)
+
+    def codec_for(self, path: str, leaf) -> Codec | None:
+        """The codec of one leaf named ``path`` (``None``: reduce it exactly)."""
+        if not is_compressible(leaf):
+            return None
+        for pattern, codec in self.overrides:
+            if re.search(pattern, path):
+                return codec
+        if any(re.search(pattern, path) for pattern in self.exclude):
+            return None
+        if jnp.ndim(leaf) < self.min_ndim or jnp.size(leaf) < self.min_size:
+            return None
+        return self.default
+
+    def resolve_leaves(self, tree) -> list[Codec | None]:
+        """Per-leaf codecs in ``tree_leaves`` order. Raises ``ValueError`` when an override
+        regex matches no path (a typo would otherwise silently change nothing)."""
+        flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+        paths = [path_name(p) for p, _ in flat]
+        for pattern, _ in self.overrides:
+            if not any(re.search(pattern, path) for path in paths):
+                raise ValueError(
+                    f"override regex {pattern!r} matches no leaf; the paths are: {paths}")
+        return [self.codec_for(path, leaf) for path, (_, leaf) in zip(paths, flat)]
+
+    def resolve(self, tree):
+        """The tree of per-leaf codecs (``None`` for exact leaves), same structure as ``tree``."""
+        treedef = jax.tree_util.tree_structure(tree)
+        return jax.tree_util.tree_unflatten(treedef, self.resolve_leaves(tree))
