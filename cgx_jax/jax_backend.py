@@ -53,9 +53,10 @@ def quantize_rows(x, seed, codec: Codec):
     b, size = codec.bits, codec.bucket_size
     values = x.astype(jnp.float32).reshape(rows, n // size, size)
     finite = jnp.all(jnp.isfinite(values), axis=-1)
-    mn = jnp.min(values, axis=-1)
-    mx = jnp.max(values, axis=-1)
-    levels = jnp.float32(2**b - 1)
+    mn = jnp.min(values, axis=-1) + 0.0  # -0 -> +0, as make_scale
+    mx = jnp.max(values, axis=-1) + 0.0
+    # The barrier keeps XLA from turning the two divisions into one fused multiply-add.
+    levels = jax.lax.optimization_barrier(jnp.float32(2**b - 1))
     unit = mx / levels - mn / levels
     unit = jnp.where(jnp.isfinite(unit), unit, _F32_MAX)
     inv = jnp.where(unit > 0, 1.0 / jnp.where(unit > 0, unit, 1.0), 0.0).astype(jnp.float32)
@@ -64,7 +65,10 @@ def quantize_rows(x, seed, codec: Codec):
         noise = uniform01(seed, counter)
     else:
         noise = jnp.float32(0.5)
-    t = (values - mn[..., None]) * inv[..., None] + noise
+    difference = values - mn[..., None]
+    # Buckets wider than the largest float: the offset at half scale, doubled (encode_level).
+    halved = ((values * 0.5 - mn[..., None] * 0.5) * inv[..., None]) * 2.0
+    t = jnp.where(jnp.isfinite(difference), difference * inv[..., None], halved) + noise
     top = 2**b - 1
     level = jnp.where(t >= top, top, jnp.where(t > 0, t.astype(jnp.int32), 0))
     level = jnp.where(finite[..., None], level, 0).astype(jnp.uint32)
@@ -85,10 +89,12 @@ def dequantize_rows(packets, codec: Codec, n: int, dtype):
     codes = packets[:, 8 * nb:].reshape(rows, nb, -1)
     level = _unpack(codes, codec.bits).astype(jnp.float32)
     offset = level * unit
-    # Half-scale path for buckets wider than the largest float, as decode_level in codec.h.
-    direct = jnp.isfinite(offset) | ~jnp.isfinite(unit)
+    # As decode_level in codec.h: half scale when the offset overflows, saturation at the
+    # largest float, NaN for a non-finite bucket.
     halved = (mn * 0.5 + level * (unit * 0.5)) * 2.0
-    values = jnp.where(direct, mn + offset, halved)
+    values = jnp.where(jnp.isfinite(offset), mn + offset, halved)
+    values = jnp.clip(values, -_F32_MAX, _F32_MAX)
+    values = jnp.where(jnp.isfinite(unit), values, jnp.float32(np.nan))
     return values.reshape(rows, n).astype(dtype)
 
 

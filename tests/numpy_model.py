@@ -8,7 +8,9 @@ enters), and the hash of the stochastic rounding uses wrapping ``np.uint32`` ari
     packet = [ meta: nb x (min f32, unit f32) little-endian ][ codes: nb x (B*b/8) bytes ]
     unit   = max/(2^b-1) - min/(2^b-1), saturated to the largest float if it overflows (1 bit)
     level  = min(floor((x - min) * inv + u), 2^b - 1),   inv = 1/unit (0 when unit == 0)
-    x'     = min + level * unit (at half scale, doubled, when level * unit overflows)
+             (x - min at half scale, doubled, when it overflows)
+    x'     = min + level * unit (at half scale, doubled, when level * unit overflows;
+             saturated to +/-FLT_MAX)
 
 A bucket holding a NaN or an infinity gets min = unit = NaN (0x7FC00000) and all-zero codes.
 Codes are an LSB-first bit stream per bucket.
@@ -49,7 +51,7 @@ def mix32(x: np.ndarray) -> np.ndarray:
 
 
 def uniform01(seed, counter: np.ndarray) -> np.ndarray:
-    """``float(int32(h >> 8)) * 2^-24`` with ``h = mix32(mix32(counter ^ s0) ^ s1)``: exact in f32."""
+    """``float(int32(h >> 8)) * 2^-24``, ``h = mix32(mix32(counter ^ s0) ^ s1)``: exact in f32."""
     s0, s1 = (np.uint32(s) for s in np.asarray(seed, np.uint32).reshape(2))
     h = mix32(mix32(np.asarray(counter, np.uint32) ^ s0) ^ s1)
     return (h >> np.uint32(8)).astype(np.int32).astype(F32) * F32(2.0**-24)
@@ -86,6 +88,9 @@ def _bucket_min_max(values: np.ndarray):
 def make_scale(mn: np.ndarray, mx: np.ndarray, finite: np.ndarray, bits: int):
     """(min, unit, inv) per bucket; min = unit = NaN (inv 0) for a bucket that is not finite."""
     levels = F32(2**bits - 1)
+    # A zero extreme is stored as +0 whatever its sign.
+    mn = np.where(mn == F32(0), F32(0), mn).astype(F32)
+    mx = np.where(mx == F32(0), F32(0), mx).astype(F32)
     with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
         unit = (mx / levels) - (mn / levels)
         unit = np.where(_is_finite(unit), unit, F32_MAX).astype(F32)
@@ -102,7 +107,11 @@ def encode_levels(x: np.ndarray, mn: np.ndarray, inv: np.ndarray, u, bits: int) 
     """``min(floor((x - min) * inv + u), top)``; a NaN ``t`` (0 * inf) and ``t <= 0`` give 0."""
     top = np.uint32(2**bits - 1)
     with np.errstate(over="ignore", invalid="ignore"):
-        t = ((x - mn) * inv) + u
+        difference = x - mn
+        # Buckets wider than the largest float: the offset at half scale, doubled.
+        halved = (((x * F32(0.5)) - (mn * F32(0.5))) * inv) * F32(2)
+        offset = np.where(_is_finite(difference), difference * inv, halved)
+        t = offset + u
         assert t.dtype == F32
         inside = (t > F32(0)) & (t < F32(top))  # NaN is neither
         truncated = np.where(inside, t, F32(0)).astype(np.int32).astype(np.uint32)
@@ -112,15 +121,18 @@ def encode_levels(x: np.ndarray, mn: np.ndarray, inv: np.ndarray, u, bits: int) 
 
 def decode_levels(level: np.ndarray, mn: np.ndarray, unit: np.ndarray) -> np.ndarray:
     """``min + level * unit``; when the product overflows for a finite unit, the same sum at
-    half scale, doubled."""
+    half scale, doubled; a finite bucket saturates to +/-FLT_MAX; NaN unit gives NaN."""
     lf = level.astype(F32)
     with np.errstate(over="ignore", invalid="ignore"):
         offset = lf * unit
         direct = mn + offset
         half = (mn * F32(0.5)) + (lf * (unit * F32(0.5)))
         halved = half * F32(2)
-    use_direct = _is_finite(offset) | ~_is_finite(unit)
-    out = np.where(use_direct, direct, halved)
+    out = np.where(_is_finite(offset), direct, halved).astype(F32)
+    overflowed = ~_is_finite(out) & ~np.isnan(out)
+    out = np.where(overflowed, np.where(out > 0, F32_MAX, -F32_MAX), out).astype(F32)
+    nan = QUIET_NAN_BITS.reshape(1).view(F32)[0]
+    out = np.where(_is_finite(unit), out, nan).astype(F32)
     assert out.dtype == F32
     return out
 

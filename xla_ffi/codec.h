@@ -196,6 +196,10 @@ CGX_HD BucketScale make_scale(float mn, float mx, bool finite, int bits) {
     return s;
   }
   const float levels = static_cast<float>(max_level(bits));
+  // -0 and +0 compare equal, so which one a scan finds depends on its order; store +0 so
+  // every implementation writes the same meta bytes.
+  if (mn == 0.0f) mn = 0.0f;
+  if (mx == 0.0f) mx = 0.0f;
   // Dividing each end first keeps the difference finite for bits >= 2; at 1 bit a range
   // wider than the largest float saturates to it, so finite input never yields inf.
   s.min = mn;
@@ -206,9 +210,17 @@ CGX_HD BucketScale make_scale(float mn, float mx, bool finite, int bits) {
 }
 
 // level = min(floor((x - min) * inv + u), max). NaN intermediates (0 * inf when the unit
-// is a tiny subnormal) map to level 0; the comparisons are written so they do.
+// is a tiny subnormal) map to level 0; the comparisons are written so they do. In a bucket
+// wider than the largest float, x - min overflows; then it is taken at half scale (exact
+// for such magnitudes) and the scaled offset doubled.
 CGX_HD uint32_t encode_level(float x, const BucketScale& s, float u, uint32_t top) {
-  const float t = add_rn(mul_rn(sub_rn(x, s.min), s.inv), u);
+  float offset = sub_rn(x, s.min);
+  if (is_finite(offset)) {
+    offset = mul_rn(offset, s.inv);
+  } else {
+    offset = mul_rn(mul_rn(sub_rn(mul_rn(x, 0.5f), mul_rn(s.min, 0.5f)), s.inv), 2.0f);
+  }
+  const float t = add_rn(offset, u);
   const float top_f = static_cast<float>(top);
   if (t >= top_f) return top;
   if (t > 0.0f) return static_cast<uint32_t>(static_cast<int32_t>(t));
@@ -217,12 +229,27 @@ CGX_HD uint32_t encode_level(float x, const BucketScale& s, float u, uint32_t to
 
 // x' = min + level * unit. When the bucket spans more than the largest float (say
 // -3e38..3e38) the product overflows although x' does not; then the same sum is taken at
-// half scale (exact for such large magnitudes) and doubled.
+// half scale (exact for such large magnitudes) and doubled. A finite bucket never decodes
+// to infinity: rounding past the largest float saturates to it.
 CGX_HD float decode_level(uint32_t level, float min, float unit) {
+  if (!is_finite(unit)) return bits_float(kQuietNaNBits);
   const float offset = mul_rn(static_cast<float>(level), unit);
-  if (is_finite(offset) || !is_finite(unit)) return add_rn(min, offset);
-  const float half = add_rn(mul_rn(min, 0.5f), mul_rn(static_cast<float>(level), mul_rn(unit, 0.5f)));
-  return mul_rn(half, 2.0f);
+  float x;
+  if (is_finite(offset)) {
+    x = add_rn(min, offset);
+  } else {
+    const float half =
+        add_rn(mul_rn(min, 0.5f), mul_rn(static_cast<float>(level), mul_rn(unit, 0.5f)));
+    x = mul_rn(half, 2.0f);
+  }
+  if (!is_finite(x) && x == x) x = x > 0.0f ? kMaxFloat : -kMaxFloat;
+  return x;
+}
+
+// NaN payloads differ between CPUs and GPUs (and with operand order); outputs that may hold
+// a NaN are written with the one canonical quiet NaN so all implementations agree.
+CGX_HD float canonical_nan(float v) {
+  return (float_bits(v) & 0x7FFFFFFFu) > 0x7F800000u ? bits_float(kQuietNaNBits) : v;
 }
 
 // ---------------------------------------------------------------------------

@@ -6,12 +6,18 @@
 #include <nanobind/nanobind.h>
 
 #include <algorithm>
+#include <atomic>
 #include <condition_variable>
+#include <cstdlib>
 #include <cstdint>
 #include <limits>
 #include <memory>
 #include <mutex>
 #include <string>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#endif
 
 #include "codec.h"
 #include "validate.h"
@@ -30,35 +36,84 @@ namespace {
 // Below this many elements a single thread is faster than waking the pool.
 constexpr int64_t kMinElementsPerTask = int64_t{1} << 18;
 
-// Runs body(begin, end) over [0, items) split into contiguous ranges, one on the calling
-// thread and the rest on the pool, and returns when all are done.
+// CGX_JAX_CPU_THREADS=k caps the threads one kernel call uses (k=1: the calling thread
+// only), for benchmarks and for hosts that already run one process per core.
+int64_t thread_cap() {
+  static const int64_t cap = [] {
+    const char* value = std::getenv("CGX_JAX_CPU_THREADS");
+    const long long parsed = value ? std::atoll(value) : 0;
+    return parsed > 0 ? static_cast<int64_t>(parsed) : std::numeric_limits<int64_t>::max();
+  }();
+  return cap;
+}
+
+// XLA's CPU runtime runs with flush-to-zero and denormals-are-zero set; the format is
+// defined in IEEE arithmetic (and CUDA computes it so), so each kernel body clears both
+// modes for its duration and restores the caller's afterwards.
+class IeeeDenormals {
+ public:
+#if defined(__x86_64__) || defined(_M_X64)
+  IeeeDenormals() : saved_(_mm_getcsr()) { _mm_setcsr(saved_ & ~kFlushBits); }
+  ~IeeeDenormals() { _mm_setcsr(saved_); }
+
+ private:
+  static constexpr unsigned kFlushBits = 0x8040;  // FTZ (bit 15) and DAZ (bit 6)
+  unsigned saved_;
+#elif defined(__aarch64__)
+  IeeeDenormals() {
+    asm volatile("mrs %0, fpcr" : "=r"(saved_));
+    const uint64_t ieee = saved_ & ~(uint64_t{1} << 24);  // FZ
+    asm volatile("msr fpcr, %0" : : "r"(ieee));
+  }
+  ~IeeeDenormals() { asm volatile("msr fpcr, %0" : : "r"(saved_)); }
+
+ private:
+  uint64_t saved_;
+#endif
+};
+
+// Runs body(begin, end) over [0, items) split into contiguous ranges. The calling thread
+// claims ranges itself until none are left, and helpers scheduled on the pool claim them
+// too when they get a thread; the caller then waits only for ranges already being worked
+// on. A helper that starts late finds nothing to claim, so a kernel never waits for pool
+// threads that are busy (several simulated devices can share a two-thread pool).
 template <typename Body>
 void parallel_for(ffi::ThreadPool& pool, int64_t items, int64_t elements_per_item, Body body) {
   const int64_t total = items * elements_per_item;
   const int64_t by_size = std::max<int64_t>(1, total / kMinElementsPerTask);
-  const int64_t tasks = std::min<int64_t>({by_size, pool.num_threads() + 1, items});
+  const int64_t tasks =
+      std::min<int64_t>({by_size, pool.num_threads() + 1, items, thread_cap()});
   if (tasks <= 1) {
+    IeeeDenormals ieee;
     body(int64_t{0}, items);
     return;
   }
-  std::mutex mutex;
-  std::condition_variable done;
-  int64_t remaining = tasks - 1;
-  auto range = [&](int64_t t) {
-    return std::make_pair(items * t / tasks, items * (t + 1) / tasks);
+  // Shared with the helpers, which may outlive this call (they then touch only `next`).
+  struct State {
+    std::atomic<int64_t> next{0};
+    std::mutex mutex;
+    std::condition_variable done;
+    int64_t finished = 0;
+  };
+  auto state = std::make_shared<State>();
+  auto run_ranges = [state, tasks, items, &body] {
+    for (int64_t t; (t = state->next.fetch_add(1)) < tasks;) {
+      {
+        IeeeDenormals ieee;
+        body(items * t / tasks, items * (t + 1) / tasks);
+      }
+      std::lock_guard<std::mutex> lock(state->mutex);
+      if (++state->finished == tasks) state->done.notify_one();
+    }
   };
   for (int64_t t = 1; t < tasks; ++t) {
-    pool.Schedule([&, t] {
-      const auto r = range(t);
-      body(r.first, r.second);
-      std::lock_guard<std::mutex> lock(mutex);
-      if (--remaining == 0) done.notify_one();
+    pool.Schedule([state, tasks, run_ranges] {
+      if (state->next.load() < tasks) run_ranges();
     });
   }
-  const auto r = range(0);
-  body(r.first, r.second);
-  std::unique_lock<std::mutex> lock(mutex);
-  done.wait(lock, [&] { return remaining == 0; });
+  run_ranges();
+  std::unique_lock<std::mutex> lock(state->mutex);
+  state->done.wait(lock, [&] { return state->finished == tasks; });
 }
 
 // ---------------------------------------------------------------------------
@@ -218,7 +273,7 @@ void dequantize_rows(const uint8_t* in, int64_t rows, int64_t n, int bits, int64
       typename Tag::storage* dst = out + row * n + bucket * bucket_size;
       dequantize_bucket(packet, bucket, packet + nb * kMetaBytesPerBucket + bucket * cbytes,
                         bits, bucket_size,
-                        [&](int64_t j, float v) { store_from_float(dst, j, v, Tag{}); });
+                        [&](int64_t j, float v) { store_from_float(dst, j, canonical_nan(v), Tag{}); });
     }
   });
 }
@@ -279,6 +334,9 @@ void reduce_chunk(const uint8_t* peers, int64_t num_peers, int64_t n,
                             p.bits, p.bucket_size,
                             [&](int64_t j, float v) { acc[j] = add_rn(acc[j], v); });
         }
+      }
+      if (sum_out) {
+        for (int64_t j = 0; j < p.bucket_size; ++j) acc[j] = canonical_nan(acc[j]);
       }
       if (packet_out) {
         quantize_bucket<F32>(acc, p, static_cast<uint32_t>(first), bucket, packet_out,

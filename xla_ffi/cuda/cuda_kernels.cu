@@ -3,7 +3,10 @@
 // The same three targets as cpu/cpu_kernels.cc, launched on XLA's CUDA stream, producing
 // the same bytes for the same inputs and seeds (DESIGN.md sections 2 and 3). Every
 // operation that decides a byte comes from codec.h; this file only decides which thread
-// touches which bucket, and how buckets' minima and maxima are reduced.
+// touches which bucket, and how buckets' minima and maxima are reduced. A parallel
+// reduction finds the same extremes as the CPU's scan (min and max are exact, and
+// make_scale stores a zero extreme as +0.0f), and every f32 output goes through
+// canonical_nan, since NaN payloads differ between x86 and CUDA arithmetic.
 //
 // Work layout: a "team" of TEAM threads owns one bucket at a time (8 or 32 lanes of a warp
 // for small buckets, the whole 256-thread block for large ones), and teams stride over all
@@ -54,16 +57,23 @@ struct Team {
   static constexpr bool kIsBlock = TEAM > kWarpSize;
   static constexpr int kPerBlock = kThreads / TEAM;
 
-  int rank;        // 0..TEAM-1
-  int index;       // which team of the block
-  int first_lane;  // lane of rank 0 within its warp (sub-warp teams)
-  unsigned mask;   // the team's lanes, for the *_sync intrinsics (sub-warp teams)
+  int rank;       // 0..TEAM-1
+  int index;      // which team of the block
+  unsigned mask;  // the team's lanes, for the *_sync intrinsics (sub-warp teams)
 
   __device__ Team()
       : rank(static_cast<int>(threadIdx.x) % TEAM),
         index(static_cast<int>(threadIdx.x) / TEAM),
-        first_lane(kIsBlock ? 0 : static_cast<int>(threadIdx.x) % kWarpSize / TEAM * TEAM),
-        mask(TEAM >= kWarpSize ? kFullMask : ((1u << (TEAM % kWarpSize)) - 1u) << first_lane) {}
+        mask(lanes_mask()) {}
+
+  __device__ static unsigned lanes_mask() {
+    if constexpr (TEAM >= kWarpSize) {
+      return kFullMask;
+    } else {
+      const int first_lane = static_cast<int>(threadIdx.x) % kWarpSize / TEAM * TEAM;
+      return ((1u << TEAM) - 1u) << first_lane;
+    }
+  }
 
   // Buckets handled by this team: index, index + teams, ... (the same trip count for all
   // threads of a team, so block teams may call __syncthreads inside the loop).
@@ -86,8 +96,8 @@ int team_for(int64_t groups, int64_t max_warp_groups) {
 // A bucket's value range
 // ---------------------------------------------------------------------------
 
-// min and max are exact, so any reduction order finds the same value; only the sign of a
-// zero extreme can depend on order (-0.0f == 0.0f), which first_zero_in_scan_order settles.
+// min and max are exact, so any reduction order finds the same value; the sign of a zero
+// extreme can depend on order (-0.0f == 0.0f), but make_scale stores either as +0.0f.
 // Once a NaN or infinity was seen the bucket gets NaN meta and min/max are never used, so
 // fminf's NaN handling does not matter.
 struct Range {
@@ -95,7 +105,9 @@ struct Range {
   float hi;
   bool nonfinite;
 
-  __device__ static Range empty() { return {bits_float(0x7F800000u), bits_float(0xFF800000u), false}; }
+  __device__ static Range empty() {
+    return {bits_float(0x7F800000u), bits_float(0xFF800000u), false};  // +inf, -inf
+  }
 
   __device__ void add(float v) {
     lo = fminf(lo, v);
@@ -142,42 +154,6 @@ __device__ Range team_reduce(Range r, const Team<TEAM>& team) {
     __syncthreads();  // the arrays are reused by the next bucket
     return out;
   }
-}
-
-// The CPU scans a bucket in 8 lanes (lane k holds elements k, k+8, k+16, ...) and keeps the
-// first value of an extreme it meets: lane by lane, and within a lane by position. When the
-// extreme is zero, the zero it keeps, +0.0f or -0.0f, is therefore the first zero in the
-// order (lane, position), and its bytes go into the meta. This returns that zero.
-// `value(e)` reads element e of the bucket. The scan stops at the first block of TEAM scan
-// positions holding a zero, usually the first one; it is only reached for finite buckets
-// whose min or max is zero, so a zero exists.
-template <int TEAM, typename Value>
-__device__ float first_zero_in_scan_order(Value value, int64_t bucket_size,
-                                          const Team<TEAM>& team) {
-  const int64_t per_lane = bucket_size / 8;
-  auto element = [per_lane](int64_t position) {
-    return (position % per_lane) * 8 + position / per_lane;
-  };
-  for (int64_t start = 0; start < bucket_size; start += TEAM) {
-    const int64_t position = start + team.rank;
-    const bool zero = position < bucket_size && value(element(position)) == 0.0f;
-    int64_t found;
-    if constexpr (!Team<TEAM>::kIsBlock) {
-      const unsigned ballot = __ballot_sync(team.mask, zero);
-      if (ballot == 0) continue;
-      found = start + (__ffs(static_cast<int>(ballot)) - 1 - team.first_lane);
-    } else {
-      __shared__ unsigned block_found;
-      if (!__syncthreads_or(zero)) continue;
-      if (team.rank == 0) block_found = ~0u;
-      __syncthreads();
-      if (zero) atomicMin(&block_found, static_cast<unsigned>(position));  // < 2^24
-      __syncthreads();
-      found = block_found;
-    }
-    return bits_float(float_bits(value(element(found))) & 0x80000000u);
-  }
-  return 0.0f;
 }
 
 // ---------------------------------------------------------------------------
@@ -264,12 +240,10 @@ struct Noise {
   uint32_t seed1;
 };
 
-// Encodes groups rank, rank + TEAM, ... of `groups`; `values(g, v)` produces group g, whose
-// first element has stochastic counter `counter + 8 g`, and whose bytes go to codes + g*bits.
-template <int TEAM, typename Values>
-__device__ void encode_groups(Values values, int64_t groups, const BucketScale& s, int bits,
-                              const Noise& noise, uint32_t counter, uint8_t* __restrict__ codes,
-                              int rank) {
+template <bool kStochastic, int TEAM, typename Values>
+__device__ void encode_groups_with(Values& values, int64_t groups, const BucketScale& s, int bits,
+                                   const Noise& noise, uint32_t counter,
+                                   uint8_t* __restrict__ codes, int rank) {
   const uint32_t top = max_level(bits);
   for (int64_t g = rank; g < groups; g += TEAM) {
     float v[8];
@@ -278,10 +252,25 @@ __device__ void encode_groups(Values values, int64_t groups, const BucketScale& 
     uint32_t levels[8];
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
-      const float u = noise.stochastic ? uniform01(noise.seed0, noise.seed1, first + k) : 0.5f;
+      const float u = kStochastic ? uniform01(noise.seed0, noise.seed1, first + k) : 0.5f;
       levels[k] = encode_level(v[k], s, u, top);
     }
     pack8(levels, bits, codes + g * bits);
+  }
+}
+
+// Encodes groups rank, rank + TEAM, ... of `groups`; `values(g, v)` produces group g, whose
+// first element has stochastic counter `counter + 8 g`, and whose bytes go to codes + g*bits.
+// The rounding mode is decided once, outside the loop, so nearest rounding never pays for
+// the hash.
+template <int TEAM, typename Values>
+__device__ void encode_groups(Values values, int64_t groups, const BucketScale& s, int bits,
+                              const Noise& noise, uint32_t counter, uint8_t* __restrict__ codes,
+                              int rank) {
+  if (noise.stochastic) {
+    encode_groups_with<true, TEAM>(values, groups, s, bits, noise, counter, codes, rank);
+  } else {
+    encode_groups_with<false, TEAM>(values, groups, s, bits, noise, counter, codes, rank);
   }
 }
 
@@ -325,13 +314,6 @@ __global__ void __launch_bounds__(kThreads)
     }
     r = team_reduce(r, team);
     const bool finite = !r.nonfinite;
-    if (finite && (r.lo == 0.0f || r.hi == 0.0f)) {
-      const float zero = first_zero_in_scan_order(
-          [xb](int64_t e) { return load_as_float(xb, e, Tag{}); }, bucket_size, team);
-      if (r.lo == 0.0f) r.lo = zero;
-      if (r.hi == 0.0f) r.hi = zero;
-    }
-
     const BucketScale s = make_scale(r.lo, r.hi, finite, bits);
     uint8_t* packet = out + row * pbytes;
     uint8_t* codes = packet + nb * kMetaBytesPerBucket + bucket * cbytes;
@@ -372,7 +354,7 @@ __global__ void __launch_bounds__(kThreads)
       unpack8(codes + g * bits, bits, levels);
       float v[8];
 #pragma unroll
-      for (int k = 0; k < 8; ++k) v[k] = decode_level(levels[k], mn, unit);
+      for (int k = 0; k < 8; ++k) v[k] = canonical_nan(decode_level(levels[k], mn, unit));
       store8<Tag>(out, first + 8 * g, out_vectorized, v);
     }
   }
@@ -447,13 +429,15 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
         for (int k = 0; k < 8; ++k) acc[k] = add_rn(acc[k], v[k]);
       }
+#pragma unroll
+      for (int k = 0; k < 8; ++k) acc[k] = canonical_nan(acc[k]);
     };
     auto stage_index = [&](int64_t g, int k) { return (g - team.rank) * 8 + k * TEAM + team.rank; };
 
     // Pass 1: sums, written out and/or staged, and their range.
     Range r = Range::empty();
     for (int64_t t0 = 0; t0 < a.bucket_size; t0 += a.tile) {
-      const int64_t groups = std::min(a.tile, a.bucket_size - t0) / 8;
+      const int64_t groups = (a.tile < a.bucket_size - t0 ? a.tile : a.bucket_size - t0) / 8;
       for (int64_t g = team.rank; g < groups; g += TEAM) {
         const int64_t e = bucket * a.bucket_size + t0 + 8 * g;
         float acc[8];
@@ -470,9 +454,7 @@ __global__ void __launch_bounds__(kThreads)
     }
     if (!a.packet_out) continue;
 
-    // Pass 2: encode. The sums start from +0.0f and IEEE addition rounded to nearest never
-    // turns +0.0f into -0.0f (x + -x and +0 + -0 are +0), so no sum is -0.0f and a zero
-    // extreme needs no first_zero_in_scan_order: every order yields +0.0f, as on the CPU.
+    // Pass 2: encode.
     r = team_reduce(r, team);
     const bool finite = !r.nonfinite;
     const BucketScale s = make_scale(r.lo, r.hi, finite, a.bits);
@@ -483,7 +465,7 @@ __global__ void __launch_bounds__(kThreads)
       continue;
     }
     for (int64_t t0 = 0; t0 < a.bucket_size; t0 += a.tile) {
-      const int64_t groups = std::min(a.tile, a.bucket_size - t0) / 8;
+      const int64_t groups = (a.tile < a.bucket_size - t0 ? a.tile : a.bucket_size - t0) / 8;
       // Each thread reads back only the groups it staged itself, so no barrier is needed;
       // unstaged (very large) buckets recompute the identical sums instead.
       auto values = [&](int64_t g, float(&v)[8]) {
@@ -548,7 +530,8 @@ bool with_float_type(ffi::DataType type, F&& f) {
 ffi::Error grid_for(int64_t buckets, int team, int* blocks) {
   int device = 0, sms = 0;
   cudaError_t err = cudaGetDevice(&device);
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (err == cudaSuccess)
+    err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   if (err != cudaSuccess)
     return ffi::Error::Internal(std::string("cgx: cannot query the CUDA device: ") +
                                 cudaGetErrorString(err));
@@ -647,8 +630,8 @@ ffi::Error ReduceRequantize(cudaStream_t stream, ffi::Buffer<ffi::U8> peers, ffi
   if (auto e = check_count_or_empty(packet->element_count(), pbytes, "packet"); e.failure())
     return e;
   if (auto e = check_count_or_empty(sum->element_count(), n, "sum"); e.failure()) return e;
-  // own_index lives in device memory; its range is checked on the device side instead of
-  // here (see reduce_requantize_kernel).
+  // own_index lives in device memory and is not range-checked here, unlike on the CPU:
+  // reading it would synchronize with the stream (see reduce_requantize_kernel).
   if (n == 0 || (packet->element_count() == 0 && sum->element_count() == 0))
     return ffi::Error::Success();
 
@@ -658,8 +641,10 @@ ffi::Error ReduceRequantize(cudaStream_t stream, ffi::Buffer<ffi::U8> peers, ffi
   const int64_t tile = team == kThreads ? std::min(bucket_size, kStagedSumsPerBlock) : bucket_size;
   int blocks = 0;
   if (auto e = grid_for(n / bucket_size, team, &blocks); e.failure()) return e;
+  const bool staged = tile == bucket_size;
   const size_t shared_bytes =
-      static_cast<size_t>(kThreads / team * staged_floats(tile, team)) * sizeof(float);
+      staged ? static_cast<size_t>(kThreads / team * staged_floats(tile, team)) * sizeof(float)
+             : 0;
 
   const void* own_data = own.element_count() ? own.untyped_data() : nullptr;
   float* sum_out = sum->element_count() ? sum->typed_data() : nullptr;

@@ -1,0 +1,115 @@
+"""Benchmarks: ``python -m cgx_jax.bench kernels [--sizes ...] [--bits ...] [--json PATH]``.
+
+Every figure is reported next to a baseline measured in the same run: a memcpy of the same
+f32 buffer on CPU (numpy, one thread), a device-to-device copy on GPU. Throughput is GB/s of
+f32 input (4 bytes per value the kernel encodes, decodes or reduces), so a ratio of 1.0 means
+"as fast as copying the uncompressed gradient once".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from cgx_jax import kernels
+from cgx_jax.codec import Codec, packet_bytes
+
+
+def _time(fn, repeats: int) -> float:
+    """Median seconds of fn() over `repeats` runs after one warm-up."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _copy_seconds(x, repeats: int) -> float:
+    if x.devices().pop().platform == "cpu":
+        host = np.asarray(x)
+        dst = np.empty_like(host)
+        return _time(lambda: np.copyto(dst, host), repeats)
+    # Negation reads and writes every byte once, like a copy XLA cannot elide.
+    copy = jax.jit(jnp.negative)
+    return _time(lambda: copy(x).block_until_ready(), repeats)
+
+
+def kernel_rows(sizes, bits_list, peers: int, repeats: int, device) -> list[dict]:
+    rows = []
+    key = jax.random.key(0)
+    seed = jax.device_put(jnp.array([1234, 5678], jnp.uint32), device)
+    for size in sizes:
+        x = jax.device_put(jax.random.normal(key, (1, size), jnp.float32), device)
+        copy_s = _copy_seconds(x, repeats)
+        gbytes = size * 4 / 1e9
+        rows.append(dict(kernel="copy (baseline)", elements=size, bits=32, seconds=copy_s,
+                         gb_per_s=gbytes / copy_s, vs_copy=1.0))
+        for bits in bits_list:
+            codec = Codec(bits=bits, bucket_size=1024, rounding="stochastic")
+            quantize = jax.jit(lambda v: kernels.quantize_rows(v, seed, codec))
+            packets = quantize(x).block_until_ready()
+            dequantize = jax.jit(lambda p: kernels.dequantize_rows(p, codec, size, jnp.float32))
+            chunk = size // peers
+            peer_packets = jax.device_put(jnp.tile(packets[:, : packet_bytes(chunk, codec)],
+                                                   (peers, 1)), device)
+            own = x[0, :chunk]
+            reduce = jax.jit(lambda p, o: kernels.reduce_requantize(
+                p, o, 0, seed, codec, chunk)[0])
+            for name, fn in (
+                ("quantize", lambda: quantize(x).block_until_ready()),
+                ("dequantize", lambda: dequantize(packets).block_until_ready()),
+                (f"reduce_requantize N={peers}", lambda: reduce(peer_packets, own).block_until_ready()),
+            ):
+                seconds = _time(fn, repeats)
+                rows.append(dict(kernel=name, elements=size, bits=bits, seconds=seconds,
+                                 gb_per_s=gbytes / seconds, vs_copy=copy_s / seconds))
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    header = f"{'kernel':<24} {'elements':>10} {'bits':>4} {'ms':>9} {'GB/s':>8} {'x copy':>7}"
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        lines.append(f"{r['kernel']:<24} {r['elements']:>10} {r['bits']:>4} "
+                     f"{r['seconds'] * 1e3:>9.2f} {r['gb_per_s']:>8.2f} {r['vs_copy']:>7.2f}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m cgx_jax.bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    k = sub.add_parser("kernels", help="quantize / dequantize / reduce_requantize throughput")
+    k.add_argument("--sizes", type=int, nargs="+", default=[1 << 22, 1 << 26])
+    k.add_argument("--bits", type=int, nargs="+", default=[2, 4, 8])
+    k.add_argument("--peers", type=int, default=8)
+    k.add_argument("--repeats", type=int, default=5)
+    k.add_argument("--platform", default=None, help="cpu or gpu (default: JAX's default)")
+    k.add_argument("--json", default=None, help="also write the rows as JSON to this path")
+    args = parser.parse_args(argv)
+
+    device = jax.devices(args.platform)[0] if args.platform else jax.devices()[0]
+    sizes = [s - s % (1024 * args.peers) for s in args.sizes]
+    rows = kernel_rows(sizes, args.bits, args.peers, args.repeats, device)
+    threads = os.environ.get("CGX_JAX_CPU_THREADS", "all")
+    print(f"# cgx_jax kernels on {device.device_kind} ({device.platform}), "
+          f"{platform.processor() or platform.machine()}, CGX_JAX_CPU_THREADS={threads}, "
+          "bucket 1024, stochastic rounding; GB/s of f32 input")
+    print(format_table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=str(device), threads=threads, rows=rows), f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
