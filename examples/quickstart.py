@@ -100,6 +100,7 @@ def main():
         ("4 bit, bucket 1024, stochastic", cgx.Codec(4, 1024), None, "sra"),
         ("4 bit, bucket 1024, nearest", cgx.Codec(4, 1024, "nearest"), None, "sra"),
         ("4 bit, bucket 1024, all-gather", cgx.Codec(4, 1024), None, "allgather"),
+        ("4 bit, bucket 128, stochastic", cgx.Codec(4, 128), None, "sra"),
         ("2 bit, bucket 128, stochastic", cgx.Codec(2, 128), None, "sra"),
         ("default LayerPolicy (4 bit)", None, cgx.LayerPolicy(), "sra"),
     ]

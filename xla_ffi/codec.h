@@ -209,34 +209,49 @@ CGX_HD BucketScale make_scale(float mn, float mx, bool finite, int bits) {
   return s;
 }
 
-// level = min(floor((x - min) * inv + u), max). NaN intermediates (0 * inf when the unit
-// is a tiny subnormal) map to level 0; the comparisons are written so they do. In a bucket
-// wider than the largest float, x - min overflows; then it is taken at half scale (exact
-// for such magnitudes) and the scaled offset doubled.
+// floor(t) clamped to [0, top]. A NaN t (0 * inf when the unit is a tiny subnormal) gives
+// level 0: `t > 0` is false for NaN. Written as two selects (max, then min) so the CPU
+// loops vectorize into plain max/min instructions.
+CGX_HD uint32_t level_of(float t, uint32_t top) {
+  const float top_f = static_cast<float>(top);
+  float clamped = t > 0.0f ? t : 0.0f;
+  clamped = clamped < top_f ? clamped : top_f;
+  return static_cast<uint32_t>(static_cast<int32_t>(clamped));
+}
+
+// (x - min) * inv for a bucket whose range max - min is finite (then x - min is too).
+CGX_HD float scaled_offset_in_range(float x, const BucketScale& s) {
+  return mul_rn(sub_rn(x, s.min), s.inv);
+}
+
+// level = min(floor((x - min) * inv + u), top). In a bucket wider than the largest float,
+// x - min overflows; then it is taken at half scale (exact for such magnitudes) and the
+// scaled offset doubled.
 CGX_HD uint32_t encode_level(float x, const BucketScale& s, float u, uint32_t top) {
-  float offset = sub_rn(x, s.min);
-  if (is_finite(offset)) {
-    offset = mul_rn(offset, s.inv);
+  float offset;
+  if (is_finite(sub_rn(x, s.min))) {
+    offset = scaled_offset_in_range(x, s);
   } else {
     offset = mul_rn(mul_rn(sub_rn(mul_rn(x, 0.5f), mul_rn(s.min, 0.5f)), s.inv), 2.0f);
   }
-  const float t = add_rn(offset, u);
-  const float top_f = static_cast<float>(top);
-  if (t >= top_f) return top;
-  if (t > 0.0f) return static_cast<uint32_t>(static_cast<int32_t>(t));
-  return 0u;
+  return level_of(add_rn(offset, u), top);
 }
 
 // x' = min + level * unit. When the bucket spans more than the largest float (say
 // -3e38..3e38) the product overflows although x' does not; then the same sum is taken at
 // half scale (exact for such large magnitudes) and doubled. A finite bucket never decodes
 // to infinity: rounding past the largest float saturates to it.
+// min + level * unit for a bucket where that cannot overflow (see decode_level).
+CGX_HD float decode_level_in_range(uint32_t level, float min, float unit) {
+  return add_rn(min, mul_rn(static_cast<float>(level), unit));
+}
+
 CGX_HD float decode_level(uint32_t level, float min, float unit) {
   if (!is_finite(unit)) return bits_float(kQuietNaNBits);
   const float offset = mul_rn(static_cast<float>(level), unit);
   float x;
   if (is_finite(offset)) {
-    x = add_rn(min, offset);
+    x = decode_level_in_range(level, min, unit);
   } else {
     const float half =
         add_rn(mul_rn(min, 0.5f), mul_rn(static_cast<float>(level), mul_rn(unit, 0.5f)));

@@ -1,9 +1,11 @@
 // CPU XLA FFI handlers for the cgx_jax codec: quantize, dequantize, reduce_requantize.
 //
-// The format and all rounding arithmetic come from codec.h; this file only walks buckets,
-// validates buffers against attributes, and splits large buffers over XLA's intra-op
+// The format and all rounding arithmetic come from codec.h and the loops over buckets from
+// bucket_loops.cc (one build per instruction set, chosen here at run time); this file
+// validates buffers against attributes and splits large buffers over XLA's intra-op
 // thread pool. Built with -ffp-contract=off so results match the CUDA kernels to the bit.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
 
 #include <algorithm>
 #include <atomic>
@@ -19,6 +21,7 @@
 #include <immintrin.h>
 #endif
 
+#include "bucket_loops.h"
 #include "codec.h"
 #include "validate.h"
 #include "xla/ffi/api/ffi.h"
@@ -117,114 +120,51 @@ void parallel_for(ffi::ThreadPool& pool, int64_t items, int64_t elements_per_ite
 }
 
 // ---------------------------------------------------------------------------
-// One bucket
+// Instruction-set dispatch
 // ---------------------------------------------------------------------------
 
-template <typename Tag>
-void bucket_range(const typename Tag::storage* x, int64_t size, float* mn_out, float* mx_out,
-                  bool* finite_out) {
-  // Eight independent lanes so the compiler can keep them in one vector register.
-  float lo[8], hi[8];
-  uint32_t nonfinite[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  for (int k = 0; k < 8; ++k) lo[k] = hi[k] = load_as_float(x, k, Tag{});
-  for (int64_t j = 0; j < size; j += 8) {
-    for (int k = 0; k < 8; ++k) {
-      const float v = load_as_float(x, j + k, Tag{});
-      lo[k] = v < lo[k] ? v : lo[k];
-      hi[k] = v > hi[k] ? v : hi[k];
-      nonfinite[k] |= (float_bits(v) & 0x7F800000u) == 0x7F800000u;
-    }
-  }
-  float mn = lo[0], mx = hi[0];
-  uint32_t bad = nonfinite[0];
-  for (int k = 1; k < 8; ++k) {
-    mn = lo[k] < mn ? lo[k] : mn;
-    mx = hi[k] > mx ? hi[k] : mx;
-    bad |= nonfinite[k];
-  }
-  *mn_out = mn;
-  *mx_out = mx;
-  *finite_out = bad == 0;
+// The widest variant this CPU runs; CGX_JAX_CPU_ISA=generic|avx2|avx512 forces one (tests
+// use it to check that all variants write the same bytes).
+const BucketLoops& select_loops() {
+  const char* forced = std::getenv("CGX_JAX_CPU_ISA");
+  const std::string want = forced ? forced : "";
+#if defined(CGX_HAVE_X86_VARIANTS)
+  __builtin_cpu_init();
+  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (avx512 && (want.empty() || want == "avx512")) return isa_avx512::loops;
+  if (avx2 && (want.empty() || want == "avx2" || want == "avx512")) return isa_avx2::loops;
+#endif
+  return isa_generic::loops;
 }
 
-// Encodes `size` (a multiple of 8) values with a known scale; `counter` is the element
-// index of x[0], which keys the stochastic rounding noise.
-template <bool kStochastic, typename Tag>
-void encode_values(const typename Tag::storage* x, int64_t size, const BucketScale& s, int bits,
-                   uint32_t seed0, uint32_t seed1, uint32_t counter, uint8_t* codes) {
-  const uint32_t top = max_level(bits);
-  for (int64_t j = 0; j < size; j += 8) {
-    uint32_t levels[8];
-    for (int k = 0; k < 8; ++k) {
-      const float u = kStochastic
-                          ? uniform01(seed0, seed1, counter + static_cast<uint32_t>(j + k))
-                          : 0.5f;
-      levels[k] = encode_level(load_as_float(x, j + k, Tag{}), s, u, top);
-    }
-    pack8(levels, bits, codes + (j / 8) * bits);
-  }
+const BucketLoops& loops() {
+  static const BucketLoops& selected = select_loops();
+  return selected;
 }
 
-struct CodecParams {
-  int bits;
-  int64_t bucket_size;
-  bool stochastic;
-  uint32_t seed0;
-  uint32_t seed1;
-};
-
-// Quantizes one bucket of `p.bucket_size` values into meta slot `bucket` of `packet`.
-template <typename Tag>
-void quantize_bucket(const typename Tag::storage* x, const CodecParams& p, uint32_t counter,
-                     int64_t bucket, uint8_t* packet, uint8_t* codes) {
-  float mn, mx;
-  bool finite;
-  bucket_range<Tag>(x, p.bucket_size, &mn, &mx, &finite);
-  const BucketScale s = make_scale(mn, mx, finite, p.bits);
-  store_meta(packet, bucket, s.min, s.unit);
-  if (!finite) {
-    std::fill(codes, codes + code_bytes_per_bucket(p.bits, p.bucket_size), uint8_t{0});
-  } else if (p.stochastic) {
-    encode_values<true, Tag>(x, p.bucket_size, s, p.bits, p.seed0, p.seed1, counter, codes);
-  } else {
-    encode_values<false, Tag>(x, p.bucket_size, s, p.bits, p.seed0, p.seed1, counter, codes);
-  }
-}
-
-// Decodes one bucket of `packet`, handing each value to emit(index_in_bucket, value).
-template <typename Emit>
-void dequantize_bucket(const uint8_t* packet, int64_t bucket, const uint8_t* codes, int bits,
-                       int64_t bucket_size, Emit emit) {
-  float mn, unit;
-  load_meta(packet, bucket, &mn, &unit);
-  for (int64_t j = 0; j < bucket_size; j += 8) {
-    uint32_t levels[8];
-    unpack8(codes + (j / 8) * bits, bits, levels);
-    for (int k = 0; k < 8; ++k) emit(j + k, decode_level(levels[k], mn, unit));
+bool element_type_of(ffi::DataType dtype, ElementType* type) {
+  switch (dtype) {
+    case ffi::F32:
+      *type = ElementType::kF32;
+      return true;
+    case ffi::BF16:
+      *type = ElementType::kBF16;
+      return true;
+    case ffi::F16:
+      *type = ElementType::kF16;
+      return true;
+    default:
+      return false;
   }
 }
 
 // ---------------------------------------------------------------------------
+// Handlers
+// ---------------------------------------------------------------------------
+
 // quantize: x [rows, n] -> packets [rows, P]
-// ---------------------------------------------------------------------------
-
-template <typename Tag>
-void quantize_rows(const typename Tag::storage* x, int64_t rows, int64_t n, const CodecParams& p,
-                   uint8_t* out, ffi::ThreadPool& pool) {
-  const int64_t nb = n / p.bucket_size;
-  const int64_t pbytes = packet_bytes(n, p.bits, p.bucket_size);
-  const int64_t cbytes = code_bytes_per_bucket(p.bits, p.bucket_size);
-  parallel_for(pool, rows * nb, p.bucket_size, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t row = i / nb, bucket = i % nb;
-      uint8_t* packet = out + row * pbytes;
-      const int64_t first = row * n + bucket * p.bucket_size;
-      quantize_bucket<Tag>(x + first, p, static_cast<uint32_t>(first), bucket, packet,
-                           packet + nb * kMetaBytesPerBucket + bucket * cbytes);
-    }
-  });
-}
-
 ffi::Error Quantize(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> seed,
                     ffi::ResultBuffer<ffi::U8> packets, int64_t bits, int64_t bucket_size,
                     bool stochastic) {
@@ -236,50 +176,20 @@ ffi::Error Quantize(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U32
   const int64_t pbytes = packet_bytes(n, static_cast<int>(bits), bucket_size);
   if (auto e = check_count(packets->element_count(), rows * pbytes, "packets"); e.failure())
     return e;
+  QuantizeJob job{ElementType::kF32, x.untyped_data(), n,
+                  CodecParams{static_cast<int>(bits), bucket_size, stochastic,
+                              seed.typed_data()[0], seed.typed_data()[1]},
+                  packets->typed_data()};
+  if (!element_type_of(x.element_type(), &job.type)) return unsupported_dtype("x");
   if (rows * n == 0) return ffi::Error::Success();
-  const CodecParams p{static_cast<int>(bits), bucket_size, stochastic, seed.typed_data()[0],
-                      seed.typed_data()[1]};
-  uint8_t* out = packets->typed_data();
-  switch (x.element_type()) {
-    case ffi::F32:
-      quantize_rows<F32>(x.typed_data<float>(), rows, n, p, out, pool);
-      break;
-    case ffi::BF16:
-      quantize_rows<BF16>(x.reinterpret_data<uint16_t>(), rows, n, p, out, pool);
-      break;
-    case ffi::F16:
-      quantize_rows<F16>(x.reinterpret_data<uint16_t>(), rows, n, p, out, pool);
-      break;
-    default:
-      return unsupported_dtype("x");
-  }
+  parallel_for(pool, rows * (n / bucket_size), bucket_size,
+               [&](int64_t begin, int64_t end) { loops().quantize(job, begin, end); });
   return ffi::Error::Success();
 }
 
-// ---------------------------------------------------------------------------
 // dequantize: packets [rows, P] -> x' [rows, n]
-// ---------------------------------------------------------------------------
-
-template <typename Tag>
-void dequantize_rows(const uint8_t* in, int64_t rows, int64_t n, int bits, int64_t bucket_size,
-                     typename Tag::storage* out, ffi::ThreadPool& pool) {
-  const int64_t nb = n / bucket_size;
-  const int64_t pbytes = packet_bytes(n, bits, bucket_size);
-  const int64_t cbytes = code_bytes_per_bucket(bits, bucket_size);
-  parallel_for(pool, rows * nb, bucket_size, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t row = i / nb, bucket = i % nb;
-      const uint8_t* packet = in + row * pbytes;
-      typename Tag::storage* dst = out + row * n + bucket * bucket_size;
-      dequantize_bucket(packet, bucket, packet + nb * kMetaBytesPerBucket + bucket * cbytes,
-                        bits, bucket_size,
-                        [&](int64_t j, float v) { store_from_float(dst, j, canonical_nan(v), Tag{}); });
-    }
-  });
-}
-
-ffi::Error Dequantize(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> packets, ffi::Result<ffi::AnyBuffer> x,
-                      int64_t bits, int64_t bucket_size) {
+ffi::Error Dequantize(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> packets,
+                      ffi::Result<ffi::AnyBuffer> x, int64_t bits, int64_t bucket_size) {
   int64_t rows = 0, n = 0;
   if (auto e = check_codec(bits, bucket_size); e.failure()) return e;
   if (auto e = rows_and_length(x->dimensions(), "output", &rows, &n); e.failure()) return e;
@@ -287,65 +197,17 @@ ffi::Error Dequantize(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> packets, ffi::R
   const int64_t pbytes = packet_bytes(n, static_cast<int>(bits), bucket_size);
   if (auto e = check_count(packets.element_count(), rows * pbytes, "packets"); e.failure())
     return e;
+  DequantizeJob job{ElementType::kF32, packets.typed_data(), n, static_cast<int>(bits),
+                    bucket_size, x->untyped_data()};
+  if (!element_type_of(x->element_type(), &job.type)) return unsupported_dtype("output");
   if (rows * n == 0) return ffi::Error::Success();
-  const uint8_t* in = packets.typed_data();
-  const int b = static_cast<int>(bits);
-  switch (x->element_type()) {
-    case ffi::F32:
-      dequantize_rows<F32>(in, rows, n, b, bucket_size, x->typed_data<float>(), pool);
-      break;
-    case ffi::BF16:
-      dequantize_rows<BF16>(in, rows, n, b, bucket_size, x->reinterpret_data<uint16_t>(), pool);
-      break;
-    case ffi::F16:
-      dequantize_rows<F16>(in, rows, n, b, bucket_size, x->reinterpret_data<uint16_t>(), pool);
-      break;
-    default:
-      return unsupported_dtype("output");
-  }
+  parallel_for(pool, rows * (n / bucket_size), bucket_size,
+               [&](int64_t begin, int64_t end) { loops().dequantize(job, begin, end); });
   return ffi::Error::Success();
 }
 
-// ---------------------------------------------------------------------------
 // reduce_requantize: N peers' packets of one chunk (+ this participant's raw chunk) ->
 // f32 sum in peer order 0..N-1, re-encoded once.
-// ---------------------------------------------------------------------------
-
-template <typename Tag>
-void reduce_chunk(const uint8_t* peers, int64_t num_peers, int64_t n,
-                  const typename Tag::storage* own, int32_t own_index, const CodecParams& p,
-                  uint8_t* packet_out, float* sum_out, ffi::ThreadPool& pool) {
-  const int64_t nb = n / p.bucket_size;
-  const int64_t pbytes = packet_bytes(n, p.bits, p.bucket_size);
-  const int64_t cbytes = code_bytes_per_bucket(p.bits, p.bucket_size);
-  parallel_for(pool, nb, p.bucket_size * num_peers, [&](int64_t begin, int64_t end) {
-    std::unique_ptr<float[]> scratch(sum_out ? nullptr : new float[p.bucket_size]);
-    for (int64_t bucket = begin; bucket < end; ++bucket) {
-      const int64_t first = bucket * p.bucket_size;
-      float* acc = sum_out ? sum_out + first : scratch.get();
-      std::fill(acc, acc + p.bucket_size, 0.0f);
-      for (int64_t peer = 0; peer < num_peers; ++peer) {
-        if (peer == own_index) {
-          for (int64_t j = 0; j < p.bucket_size; ++j)
-            acc[j] = add_rn(acc[j], load_as_float(own, first + j, Tag{}));
-        } else {
-          const uint8_t* packet = peers + peer * pbytes;
-          dequantize_bucket(packet, bucket, packet + nb * kMetaBytesPerBucket + bucket * cbytes,
-                            p.bits, p.bucket_size,
-                            [&](int64_t j, float v) { acc[j] = add_rn(acc[j], v); });
-        }
-      }
-      if (sum_out) {
-        for (int64_t j = 0; j < p.bucket_size; ++j) acc[j] = canonical_nan(acc[j]);
-      }
-      if (packet_out) {
-        quantize_bucket<F32>(acc, p, static_cast<uint32_t>(first), bucket, packet_out,
-                             packet_out + nb * kMetaBytesPerBucket + bucket * cbytes);
-      }
-    }
-  });
-}
-
 ffi::Error ReduceRequantize(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> peers, ffi::AnyBuffer own,
                             ffi::Buffer<ffi::S32> own_index, ffi::Buffer<ffi::U32> seed,
                             ffi::ResultBuffer<ffi::U8> packet, ffi::ResultBuffer<ffi::F32> sum,
@@ -363,38 +225,23 @@ ffi::Error ReduceRequantize(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> peers, ff
   if (auto e = check_count_or_empty(packet->element_count(), pbytes, "packet"); e.failure())
     return e;
   if (auto e = check_count_or_empty(sum->element_count(), n, "sum"); e.failure()) return e;
-  // With no raw chunk every peer is decoded; otherwise the raw chunk replaces the
-  // own_index-th peer, which must then name a real peer.
-  int32_t own_peer = own_index.typed_data()[0];
-  if (own.element_count() == 0) {
-    own_peer = -1;
-  } else if (own_peer < 0 || own_peer >= num_peers) {
+  ReduceJob job{ElementType::kF32, peers.typed_data(), num_peers, n,
+                own.element_count() ? own.untyped_data() : nullptr, own_index.typed_data()[0],
+                CodecParams{static_cast<int>(bits), bucket_size, stochastic,
+                            seed.typed_data()[0], seed.typed_data()[1]},
+                packet->element_count() ? packet->typed_data() : nullptr,
+                sum->element_count() ? sum->typed_data() : nullptr};
+  if (!element_type_of(own.element_type(), &job.own_type)) return unsupported_dtype("own");
+  // The raw chunk replaces the own_index-th peer, which must then name a real peer.
+  if (job.own != nullptr && (job.own_index < 0 || job.own_index >= num_peers)) {
     return ffi::Error::InvalidArgument("own_index must be in [0, " + std::to_string(num_peers) +
-                                       ") when own is given, got " + std::to_string(own_peer));
+                                       ") when own is given, got " +
+                                       std::to_string(job.own_index));
   }
-  if (n == 0 || (packet->element_count() == 0 && sum->element_count() == 0))
+  if (n == 0 || (job.packet_out == nullptr && job.sum_out == nullptr))
     return ffi::Error::Success();
-  const CodecParams p{static_cast<int>(bits), bucket_size, stochastic, seed.typed_data()[0],
-                      seed.typed_data()[1]};
-  uint8_t* packet_out = packet->element_count() ? packet->typed_data() : nullptr;
-  float* sum_out = sum->element_count() ? sum->typed_data() : nullptr;
-  const uint8_t* in = peers.typed_data();
-  switch (own.element_type()) {
-    case ffi::F32:
-      reduce_chunk<F32>(in, num_peers, n, own.typed_data<float>(), own_peer, p, packet_out,
-                        sum_out, pool);
-      break;
-    case ffi::BF16:
-      reduce_chunk<BF16>(in, num_peers, n, own.reinterpret_data<uint16_t>(), own_peer, p,
-                         packet_out, sum_out, pool);
-      break;
-    case ffi::F16:
-      reduce_chunk<F16>(in, num_peers, n, own.reinterpret_data<uint16_t>(), own_peer, p,
-                        packet_out, sum_out, pool);
-      break;
-    default:
-      return unsupported_dtype("own");
-  }
+  parallel_for(pool, n / bucket_size, bucket_size * num_peers,
+               [&](int64_t begin, int64_t end) { loops().reduce_requantize(job, begin, end); });
   return ffi::Error::Success();
 }
 
@@ -447,4 +294,6 @@ NB_MODULE(_cgx_cpu, m) {
     targets["cgx_reduce_requantize"] = encapsulate(cgx::cgx_reduce_requantize_cpu);
     return targets;
   });
+  m.def("cpu_isa", []() { return std::string(cgx::loops().isa); },
+        "The instruction-set variant of the bucket loops this process uses.");
 }

@@ -1,0 +1,52 @@
+"""The CPU bucket loops are compiled per instruction set (generic, AVX2, AVX-512) and picked
+at run time; every variant must write the same bytes. Each runs in its own process, forced
+with CGX_JAX_CPU_ISA, on inputs that take every code path (stochastic and nearest, all bits,
+three dtypes, buckets wider than the largest float, NaN, subnormals)."""
+
+import hashlib
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+SCRIPT = textwrap.dedent("""
+    import hashlib, jax, jax.numpy as jnp, numpy as np
+    from cgx_jax import _cgx_cpu, kernels
+    from cgx_jax.codec import Codec
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((3, 4096)).astype(np.float32) * np.float32(10.0) ** rng.integers(-3, 3, (3, 1))
+    x[0, :64] = np.linspace(-3e38, 3e38, 64); x[1, 64:128] = np.arange(64) * 1e-41; x[2, 5] = np.nan
+    digest = hashlib.sha256()
+    seed = jnp.array([3, 4], jnp.uint32)
+    for bits in range(1, 9):
+        for rounding in ("stochastic", "nearest"):
+            codec = Codec(bits, 64, rounding)
+            for dtype in (jnp.float32, jnp.bfloat16, jnp.float16):
+                packets = kernels.quantize_rows(jnp.asarray(x, dtype), seed, codec)
+                decoded = kernels.dequantize_rows(packets, codec, x.shape[1], dtype)
+                packet, total = kernels.reduce_requantize(packets, jnp.asarray(x[1], dtype), 1, seed,
+                                                          codec, x.shape[1], emit_sum=True)
+                for a in (packets, decoded, packet, total):
+                    digest.update(np.asarray(a).tobytes())
+    print(_cgx_cpu.cpu_isa(), digest.hexdigest())
+""")
+
+
+def run_with_isa(isa: str) -> tuple[str, str]:
+    env = dict(os.environ, CGX_JAX_CPU_ISA=isa, JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True,
+                         text=True, check=True, timeout=300)
+    chosen, digest = out.stdout.split()[-2:]
+    return chosen, digest
+
+
+def test_all_instruction_set_variants_write_identical_bytes():
+    results = {isa: run_with_isa(isa) for isa in ("generic", "avx2", "avx512")}
+    chosen = {isa: r[0] for isa, r in results.items()}
+    assert chosen["generic"] == "isa_generic"
+    digests = {r[1] for r in results.values()}
+    assert len(digests) == 1, results
+    if len(set(chosen.values())) == 1:
+        pytest.skip(f"only the generic variant runs on this CPU ({chosen})")

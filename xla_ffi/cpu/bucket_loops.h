@@ -1,0 +1,71 @@
+// The CPU codec loops over ranges of buckets, compiled once per instruction set
+// (bucket_loops.cc built with generic, AVX2 and AVX-512 flags) and picked at run time.
+// All variants compute the same IEEE f32 operations, so they write the same bytes.
+#pragma once
+
+#include <cstdint>
+
+namespace cgx {
+
+enum class ElementType { kF32, kBF16, kF16 };
+
+struct CodecParams {
+  int bits;
+  int64_t bucket_size;
+  bool stochastic;
+  uint32_t seed0;
+  uint32_t seed1;
+};
+
+// x [rows, n] -> packets [rows, P]; work item i is bucket i % nb of row i / nb.
+struct QuantizeJob {
+  ElementType type;
+  const void* x;
+  int64_t n;
+  CodecParams codec;
+  uint8_t* packets;
+};
+
+// packets [rows, P] -> out [rows, n]; work items as for QuantizeJob.
+struct DequantizeJob {
+  ElementType type;
+  const uint8_t* packets;
+  int64_t n;
+  int bits;
+  int64_t bucket_size;
+  void* out;
+};
+
+// N peers' packets [N, P] of one chunk of n values (+ the raw own chunk, replacing peer
+// own_index when own is not null) -> f32 sum in peer order, re-encoded into packet_out
+// and/or written to sum_out (either may be null); work item i is bucket i of the chunk.
+struct ReduceJob {
+  ElementType own_type;
+  const uint8_t* peers;
+  int64_t num_peers;
+  int64_t n;
+  const void* own;
+  int32_t own_index;
+  CodecParams codec;
+  uint8_t* packet_out;
+  float* sum_out;
+};
+
+struct BucketLoops {
+  const char* isa;
+  void (*quantize)(const QuantizeJob& job, int64_t begin, int64_t end);
+  void (*dequantize)(const DequantizeJob& job, int64_t begin, int64_t end);
+  void (*reduce_requantize)(const ReduceJob& job, int64_t begin, int64_t end);
+};
+
+namespace isa_generic {
+extern const BucketLoops loops;
+}
+namespace isa_avx2 {
+extern const BucketLoops loops;
+}
+namespace isa_avx512 {
+extern const BucketLoops loops;
+}
+
+}  // namespace cgx
