@@ -20,7 +20,11 @@
 // kernels, so a handler never synchronizes with the stream and is safe to capture into a
 // CUDA graph (command buffer).
 #include <cuda_runtime.h>
+// nanobind_add_module puts nanobind's headers on a plain -I path, where nvcc's front end
+// warns about a loop in nb_func.h ("pointless comparison of unsigned integer with zero").
+#pragma nv_diag_suppress 186
 #include <nanobind/nanobind.h>
+#pragma nv_diag_default 186
 
 #include <algorithm>
 #include <cstdint>
