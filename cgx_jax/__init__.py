@@ -8,18 +8,22 @@ on GPU), moved only by XLA's own collectives.
 from cgx_jax.api import compressed_pmean, compressed_psum, dequantize, quantize
 from cgx_jax.codec import Codec, packet_bytes, wire_bytes
 from cgx_jax.kernels import has_cuda_support
-from cgx_jax.policy import LayerPolicy
+from cgx_jax.optax_transform import CompressedAllReduceState, compressed_allreduce
+from cgx_jax.policy import LayerPolicy, summary
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Codec",
+    "CompressedAllReduceState",
     "LayerPolicy",
+    "compressed_allreduce",
     "compressed_pmean",
     "compressed_psum",
     "dequantize",
     "has_cuda_support",
     "packet_bytes",
     "quantize",
+    "summary",
     "wire_bytes",
 ]

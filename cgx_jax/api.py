@@ -155,14 +155,17 @@ class _Plan:
     algorithm: str
     backend: str
     num_participants: int
+    local_error: bool
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
 def _allreduce_buffer(buf, seeds, plan: _Plan):
+    """(f32 sum, local compression error or an empty array)."""
     index = lax.axis_index(plan.axis_name)
     reduce = ALGORITHM_FUNCTIONS[plan.algorithm]
-    return reduce(buf, plan.axis_name, index, plan.num_participants, seeds, plan.codec,
-                  BACKENDS[plan.backend])
+    total, error = reduce(buf, plan.axis_name, index, plan.num_participants, seeds,
+                          plan.codec, BACKENDS[plan.backend], local_error=plan.local_error)
+    return total, (jnp.zeros((0,), jnp.float32) if error is None else error)
 
 
 @_allreduce_buffer.defjvp
@@ -170,14 +173,18 @@ def _allreduce_buffer_jvp(plan, primals, tangents):
     # Straight-through: the derivative of a (compressed) sum is the exact sum of tangents,
     # whose transpose is again a psum, so jax.grad works through compressed_psum.
     buf, seeds = primals
-    return _allreduce_buffer(buf, seeds, plan), lax.psum(tangents[0], plan.axis_name)
+    total, error = _allreduce_buffer(buf, seeds, plan)
+    return (total, error), (lax.psum(tangents[0], plan.axis_name), jnp.zeros_like(error))
 
 
 # ---------------------------------------------------------------------------
 # compressed_psum / compressed_pmean
 # ---------------------------------------------------------------------------
 
-def _reduce_tree(x, axis_name, *, codec, policy, key, algorithm, backend, mean):
+def _reduce_tree(x, axis_name, *, codec, policy, key, algorithm, backend, mean,
+                 local_error=False):
+    """The compressed all-reduce of a pytree; with ``local_error`` also the tree of what this
+    participant's own compression lost (f32 leaves of the input's shapes, zero where exact)."""
     _check_choice("algorithm", algorithm, ALGORITHMS)
     _check_choice("backend", backend, BACKENDS)
     if codec is not None and policy is not None:
@@ -214,12 +221,13 @@ def _reduce_tree(x, axis_name, *, codec, policy, key, algorithm, backend, mean):
         index = lax.axis_index(axis_name)
 
     out = list(leaves)
+    errors = [jnp.zeros(leaf.shape, jnp.float32) for leaf in leaves] if local_error else None
     if exact:
         reduce_exact = lax.pmean if mean else lax.psum
         for i, value in zip(exact, reduce_exact([leaves[i] for i in exact], axis_name)):
             out[i] = value
     for group_number, (group_codec, members) in enumerate(groups.items()):
-        plan = _Plan(axis_name, group_codec, algorithm, backend, num_participants)
+        plan = _Plan(axis_name, group_codec, algorithm, backend, num_participants, local_error)
         if group_codec.stochastic:
             group_key = _fold(key, group_number, index)
             seeds = jnp.stack([_seed_bits(_fold(group_key, phase)) for phase in (0, 1)])
@@ -229,15 +237,20 @@ def _reduce_tree(x, axis_name, *, codec, policy, key, algorithm, backend, mean):
                   for i in members]
         buf = _pad_to(jnp.concatenate(pieces),
                       padding_multiple(algorithm, group_codec, num_participants))
-        total = _allreduce_buffer(buf, seeds, plan)
+        total, error = _allreduce_buffer(buf, seeds, plan)
         if mean:
             total = total / jnp.float32(num_participants)
         offset = 0
         for i, piece in zip(members, pieces):
             leaf = leaves[i]
             out[i] = total[offset:offset + leaf.size].reshape(leaf.shape).astype(leaf.dtype)
+            if local_error:
+                errors[i] = error[offset:offset + leaf.size].reshape(leaf.shape)
             offset += piece.shape[0]
-    return jax.tree_util.tree_unflatten(treedef, out)
+    result = jax.tree_util.tree_unflatten(treedef, out)
+    if local_error:
+        return result, jax.tree_util.tree_unflatten(treedef, errors)
+    return result
 
 
 def compressed_psum(x, axis_name, *, codec: Codec | None = None,
