@@ -237,15 +237,15 @@ CGX_HD uint32_t encode_level(float x, const BucketScale& s, float u, uint32_t to
   return level_of(add_rn(offset, u), top);
 }
 
-// x' = min + level * unit. When the bucket spans more than the largest float (say
-// -3e38..3e38) the product overflows although x' does not; then the same sum is taken at
-// half scale (exact for such large magnitudes) and doubled. A finite bucket never decodes
-// to infinity: rounding past the largest float saturates to it.
 // min + level * unit for a bucket where that cannot overflow (see decode_level).
 CGX_HD float decode_level_in_range(uint32_t level, float min, float unit) {
   return add_rn(min, mul_rn(static_cast<float>(level), unit));
 }
 
+// x' = min + level * unit. When the bucket spans more than the largest float (say
+// -3e38..3e38) the product overflows although x' does not; then the same sum is taken at
+// half scale (exact for such large magnitudes) and doubled. A finite bucket never decodes
+// to infinity: rounding past the largest float saturates to it.
 CGX_HD float decode_level(uint32_t level, float min, float unit) {
   if (!is_finite(unit)) return bits_float(kQuietNaNBits);
   const float offset = mul_rn(static_cast<float>(level), unit);
