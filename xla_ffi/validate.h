@@ -74,4 +74,52 @@ inline xla::ffi::Error unsupported_dtype(const char* name) {
                                           " must be float32, bfloat16 or float16");
 }
 
+// ---------------------------------------------------------------------------
+// The full argument check of each handler, shared by the CPU and CUDA builds
+// ---------------------------------------------------------------------------
+
+// quantize: x [rows, n] (n a multiple of bucket_size), seed [2], packets [rows, P].
+inline xla::ffi::Error check_quantize_args(int64_t bits, int64_t bucket_size,
+                                           xla::ffi::Span<const int64_t> x_dims,
+                                           int64_t seed_count, int64_t packets_count,
+                                           int64_t* rows, int64_t* n) {
+  if (auto e = check_codec(bits, bucket_size); e.failure()) return e;
+  if (auto e = rows_and_length(x_dims, "x", rows, n); e.failure()) return e;
+  if (auto e = check_multiple(*n, bucket_size, "x"); e.failure()) return e;
+  if (auto e = check_count(seed_count, 2, "seed"); e.failure()) return e;
+  const int64_t pbytes = packet_bytes(*n, static_cast<int>(bits), bucket_size);
+  return check_count(packets_count, *rows * pbytes, "packets");
+}
+
+// dequantize: packets [rows, P], output [rows, n] (n a multiple of bucket_size).
+inline xla::ffi::Error check_dequantize_args(int64_t bits, int64_t bucket_size,
+                                             xla::ffi::Span<const int64_t> out_dims,
+                                             int64_t packets_count, int64_t* rows, int64_t* n) {
+  if (auto e = check_codec(bits, bucket_size); e.failure()) return e;
+  if (auto e = rows_and_length(out_dims, "output", rows, n); e.failure()) return e;
+  if (auto e = check_multiple(*n, bucket_size, "output"); e.failure()) return e;
+  const int64_t pbytes = packet_bytes(*n, static_cast<int>(bits), bucket_size);
+  return check_count(packets_count, *rows * pbytes, "packets");
+}
+
+// reduce_requantize: peers [N, P(n)], seed [2], own_index [1], and the optional own [n],
+// packet [P(n)] and sum [n] (each full or empty).
+inline xla::ffi::Error check_reduce_requantize_args(
+    int64_t bits, int64_t bucket_size, int64_t n, xla::ffi::Span<const int64_t> peers_dims,
+    int64_t seed_count, int64_t own_index_count, int64_t own_count, int64_t packet_count,
+    int64_t sum_count, int64_t* num_peers) {
+  if (auto e = check_codec(bits, bucket_size); e.failure()) return e;
+  if (auto e = check_multiple(n, bucket_size, "n"); e.failure()) return e;
+  const int64_t pbytes = packet_bytes(n, static_cast<int>(bits), bucket_size);
+  int64_t peer_bytes = 0;
+  if (auto e = rows_and_length(peers_dims, "peers", num_peers, &peer_bytes); e.failure())
+    return e;
+  if (auto e = check_count(peer_bytes, pbytes, "peers row"); e.failure()) return e;
+  if (auto e = check_count(seed_count, 2, "seed"); e.failure()) return e;
+  if (auto e = check_count(own_index_count, 1, "own_index"); e.failure()) return e;
+  if (auto e = check_count_or_empty(own_count, n, "own"); e.failure()) return e;
+  if (auto e = check_count_or_empty(packet_count, pbytes, "packet"); e.failure()) return e;
+  return check_count_or_empty(sum_count, n, "sum");
+}
+
 }  // namespace cgx

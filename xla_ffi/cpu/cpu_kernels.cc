@@ -169,12 +169,9 @@ ffi::Error Quantize(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U32
                     ffi::ResultBuffer<ffi::U8> packets, int64_t bits, int64_t bucket_size,
                     bool stochastic) {
   int64_t rows = 0, n = 0;
-  if (auto e = check_codec(bits, bucket_size); e.failure()) return e;
-  if (auto e = rows_and_length(x.dimensions(), "x", &rows, &n); e.failure()) return e;
-  if (auto e = check_multiple(n, bucket_size, "x"); e.failure()) return e;
-  if (auto e = check_count(seed.element_count(), 2, "seed"); e.failure()) return e;
-  const int64_t pbytes = packet_bytes(n, static_cast<int>(bits), bucket_size);
-  if (auto e = check_count(packets->element_count(), rows * pbytes, "packets"); e.failure())
+  if (auto e = check_quantize_args(bits, bucket_size, x.dimensions(), seed.element_count(),
+                                   packets->element_count(), &rows, &n);
+      e.failure())
     return e;
   QuantizeJob job{ElementType::kF32, x.untyped_data(), n,
                   CodecParams{static_cast<int>(bits), bucket_size, stochastic,
@@ -191,11 +188,9 @@ ffi::Error Quantize(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U32
 ffi::Error Dequantize(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> packets,
                       ffi::Result<ffi::AnyBuffer> x, int64_t bits, int64_t bucket_size) {
   int64_t rows = 0, n = 0;
-  if (auto e = check_codec(bits, bucket_size); e.failure()) return e;
-  if (auto e = rows_and_length(x->dimensions(), "output", &rows, &n); e.failure()) return e;
-  if (auto e = check_multiple(n, bucket_size, "output"); e.failure()) return e;
-  const int64_t pbytes = packet_bytes(n, static_cast<int>(bits), bucket_size);
-  if (auto e = check_count(packets.element_count(), rows * pbytes, "packets"); e.failure())
+  if (auto e = check_dequantize_args(bits, bucket_size, x->dimensions(), packets.element_count(),
+                                     &rows, &n);
+      e.failure())
     return e;
   DequantizeJob job{ElementType::kF32, packets.typed_data(), n, static_cast<int>(bits),
                     bucket_size, x->untyped_data()};
@@ -212,19 +207,13 @@ ffi::Error ReduceRequantize(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> peers, ff
                             ffi::Buffer<ffi::S32> own_index, ffi::Buffer<ffi::U32> seed,
                             ffi::ResultBuffer<ffi::U8> packet, ffi::ResultBuffer<ffi::F32> sum,
                             int64_t bits, int64_t bucket_size, bool stochastic, int64_t n) {
-  if (auto e = check_codec(bits, bucket_size); e.failure()) return e;
-  if (auto e = check_multiple(n, bucket_size, "n"); e.failure()) return e;
-  const int64_t pbytes = packet_bytes(n, static_cast<int>(bits), bucket_size);
-  int64_t num_peers = 0, peer_bytes = 0;
-  if (auto e = rows_and_length(peers.dimensions(), "peers", &num_peers, &peer_bytes); e.failure())
+  int64_t num_peers = 0;
+  if (auto e = check_reduce_requantize_args(
+          bits, bucket_size, n, peers.dimensions(), seed.element_count(),
+          own_index.element_count(), own.element_count(), packet->element_count(),
+          sum->element_count(), &num_peers);
+      e.failure())
     return e;
-  if (auto e = check_count(peer_bytes, pbytes, "peers row"); e.failure()) return e;
-  if (auto e = check_count(seed.element_count(), 2, "seed"); e.failure()) return e;
-  if (auto e = check_count(own_index.element_count(), 1, "own_index"); e.failure()) return e;
-  if (auto e = check_count_or_empty(own.element_count(), n, "own"); e.failure()) return e;
-  if (auto e = check_count_or_empty(packet->element_count(), pbytes, "packet"); e.failure())
-    return e;
-  if (auto e = check_count_or_empty(sum->element_count(), n, "sum"); e.failure()) return e;
   ReduceJob job{ElementType::kF32, peers.typed_data(), num_peers, n,
                 own.element_count() ? own.untyped_data() : nullptr, own_index.typed_data()[0],
                 CodecParams{static_cast<int>(bits), bucket_size, stochastic,

@@ -562,12 +562,9 @@ ffi::Error Quantize(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::U32>
                     ffi::ResultBuffer<ffi::U8> packets, int64_t bits, int64_t bucket_size,
                     bool stochastic) {
   int64_t rows = 0, n = 0;
-  if (auto e = check_codec(bits, bucket_size); e.failure()) return e;
-  if (auto e = rows_and_length(x.dimensions(), "x", &rows, &n); e.failure()) return e;
-  if (auto e = check_multiple(n, bucket_size, "x"); e.failure()) return e;
-  if (auto e = check_count(seed.element_count(), 2, "seed"); e.failure()) return e;
-  const int64_t pbytes = packet_bytes(n, static_cast<int>(bits), bucket_size);
-  if (auto e = check_count(packets->element_count(), rows * pbytes, "packets"); e.failure())
+  if (auto e = check_quantize_args(bits, bucket_size, x.dimensions(), seed.element_count(),
+                                   packets->element_count(), &rows, &n);
+      e.failure())
     return e;
   if (rows * n == 0) return ffi::Error::Success();
 
@@ -591,11 +588,9 @@ ffi::Error Quantize(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::U32>
 ffi::Error Dequantize(cudaStream_t stream, ffi::Buffer<ffi::U8> packets,
                       ffi::Result<ffi::AnyBuffer> x, int64_t bits, int64_t bucket_size) {
   int64_t rows = 0, n = 0;
-  if (auto e = check_codec(bits, bucket_size); e.failure()) return e;
-  if (auto e = rows_and_length(x->dimensions(), "output", &rows, &n); e.failure()) return e;
-  if (auto e = check_multiple(n, bucket_size, "output"); e.failure()) return e;
-  const int64_t pbytes = packet_bytes(n, static_cast<int>(bits), bucket_size);
-  if (auto e = check_count(packets.element_count(), rows * pbytes, "packets"); e.failure())
+  if (auto e = check_dequantize_args(bits, bucket_size, x->dimensions(), packets.element_count(),
+                                     &rows, &n);
+      e.failure())
     return e;
   if (rows * n == 0) return ffi::Error::Success();
 
@@ -603,6 +598,7 @@ ffi::Error Dequantize(cudaStream_t stream, ffi::Buffer<ffi::U8> packets,
   int blocks = 0;
   if (auto e = grid_for(rows * (n / bucket_size), team, &blocks); e.failure()) return e;
   const uint8_t* in = packets.typed_data();
+  const int64_t pbytes = packet_bytes(n, static_cast<int>(bits), bucket_size);
   const bool meta_aligned = aligned_to(in, 8) && (rows == 1 || pbytes % 8 == 0);
   void* data = x->untyped_data();
   const bool supported = with_float_type(x->element_type(), [&](auto tag) {
@@ -621,19 +617,14 @@ ffi::Error ReduceRequantize(cudaStream_t stream, ffi::Buffer<ffi::U8> peers, ffi
                             ffi::Buffer<ffi::S32> own_index, ffi::Buffer<ffi::U32> seed,
                             ffi::ResultBuffer<ffi::U8> packet, ffi::ResultBuffer<ffi::F32> sum,
                             int64_t bits, int64_t bucket_size, bool stochastic, int64_t n) {
-  if (auto e = check_codec(bits, bucket_size); e.failure()) return e;
-  if (auto e = check_multiple(n, bucket_size, "n"); e.failure()) return e;
+  int64_t num_peers = 0;
   const int64_t pbytes = packet_bytes(n, static_cast<int>(bits), bucket_size);
-  int64_t num_peers = 0, peer_bytes = 0;
-  if (auto e = rows_and_length(peers.dimensions(), "peers", &num_peers, &peer_bytes); e.failure())
+  if (auto e = check_reduce_requantize_args(
+          bits, bucket_size, n, peers.dimensions(), seed.element_count(),
+          own_index.element_count(), own.element_count(), packet->element_count(),
+          sum->element_count(), &num_peers);
+      e.failure())
     return e;
-  if (auto e = check_count(peer_bytes, pbytes, "peers row"); e.failure()) return e;
-  if (auto e = check_count(seed.element_count(), 2, "seed"); e.failure()) return e;
-  if (auto e = check_count(own_index.element_count(), 1, "own_index"); e.failure()) return e;
-  if (auto e = check_count_or_empty(own.element_count(), n, "own"); e.failure()) return e;
-  if (auto e = check_count_or_empty(packet->element_count(), pbytes, "packet"); e.failure())
-    return e;
-  if (auto e = check_count_or_empty(sum->element_count(), n, "sum"); e.failure()) return e;
   // own_index lives in device memory and is not range-checked here, unlike on the CPU:
   // reading it would synchronize with the stream (see reduce_requantize_kernel).
   if (n == 0 || (packet->element_count() == 0 && sum->element_count() == 0))
