@@ -5,6 +5,8 @@ CGX-style compressed all-reduce (Markov et al., arXiv 2111.08617): gradients tra
 on GPU), moved only by XLA's own collectives.
 """
 
+from cgx_jax.adaptive import (AdaptiveConfig, ErrorTable, fit_policy, layer_errors,
+                              refit_policy)
 from cgx_jax.api import compressed_pmean, compressed_psum, dequantize, quantize
 from cgx_jax.codec import Codec, packet_bytes, wire_bytes
 from cgx_jax.kernels import has_cuda_support
@@ -14,16 +16,21 @@ from cgx_jax.policy import LayerPolicy, summary
 __version__ = "0.1.0"
 
 __all__ = [
+    "AdaptiveConfig",
     "Codec",
     "CompressedAllReduceState",
+    "ErrorTable",
     "LayerPolicy",
     "compressed_allreduce",
     "compressed_pmean",
     "compressed_psum",
     "dequantize",
+    "fit_policy",
     "has_cuda_support",
+    "layer_errors",
     "packet_bytes",
     "quantize",
+    "refit_policy",
     "summary",
     "wire_bytes",
 ]

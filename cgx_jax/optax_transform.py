@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from cgx_jax import adaptive as adaptive_lib
 from cgx_jax.api import _reduce_tree
 from cgx_jax.policy import LayerPolicy
 
@@ -23,15 +24,20 @@ class CompressedAllReduceState(NamedTuple):
     """``key``: raw ``uint32[2]`` PRNG key, split every step (fresh, reproducible stochastic
     rounding noise; a plain array, so it checkpoints like any optimizer state).
     ``residual``: with error feedback, what the last step's local compression lost, a pytree
-    of f32 arrays shaped like the gradients; ``None`` without it."""
+    of f32 arrays shaped like the gradients; ``None`` without it.
+    ``adaptive``: with ``adaptive=``, the ``AdaptiveState`` (error statistics for
+    ``cgx.refit_policy``); ``None`` without it."""
 
     key: jax.Array
     residual: Any
+    adaptive: Any = None
 
 
 def compressed_allreduce(axis_name, *, policy: LayerPolicy | None = None, mean: bool = True,
                          error_feedback: bool = False, seed: int = 0, algorithm: str = "sra",
-                         backend: str = "ffi") -> optax.GradientTransformation:
+                         backend: str = "ffi",
+                         adaptive: adaptive_lib.AdaptiveConfig | None = None
+                         ) -> optax.GradientTransformation:
     """All-reduces gradients with compressed ``psum`` (``pmean`` when ``mean``) over
     ``axis_name``; must run inside ``pmap``/``shard_map`` with that axis bound.
 
@@ -44,6 +50,13 @@ def compressed_allreduce(axis_name, *, policy: LayerPolicy | None = None, mean: 
         (EF-SGD); the residual lives in the state.
       seed: seed of the stochastic rounding noise (split every step).
       algorithm, backend: as for ``cgx.compressed_psum``.
+      adaptive: a ``cgx.AdaptiveConfig``: every step, also measure the error table of this
+        participant's gradient (``cgx.layer_errors`` of the leaves ``policy`` compresses),
+        ``lax.pmean`` it so every replica agrees, and keep its mean over the current window
+        in the state. The policy of a traced step is static: the training loop calls
+        ``cgx.refit_policy(state, config, base=policy)`` when ``config.due(step)`` and
+        continues with a transform (and step function, cached by policy) built for the
+        returned policy, passing the same state.
 
     Put it before ``optax.apply_if_finite`` (a NaN on one replica becomes a NaN bucket on all
     of them, so every replica skips the step together) and inside ``optax.MultiSteps`` (the
@@ -66,22 +79,32 @@ def compressed_allreduce(axis_name, *, policy: LayerPolicy | None = None, mean: 
     policy = LayerPolicy() if policy is None else policy
     if not isinstance(policy, LayerPolicy):
         raise TypeError(f"policy must be a cgx_jax.LayerPolicy, got {type(policy).__name__}")
+    if adaptive is not None and not isinstance(adaptive, adaptive_lib.AdaptiveConfig):
+        raise TypeError(f"adaptive must be a cgx_jax.AdaptiveConfig or None, got "
+                        f"{type(adaptive).__name__}")
 
     def init_fn(params):
         residual = (jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params)
                     if error_feedback else None)
-        return CompressedAllReduceState(key=jax.random.PRNGKey(seed), residual=residual)
+        stats = (None if adaptive is None
+                 else adaptive_lib.init_adaptive_state(params, adaptive, policy))
+        return CompressedAllReduceState(key=jax.random.PRNGKey(seed), residual=residual,
+                                        adaptive=stats)
 
     def update_fn(updates, state, params=None):
         del params
         key, step_key = jax.random.split(state.key)
         reduce = dict(policy=policy, codec=None, key=step_key, algorithm=algorithm,
                       backend=backend, mean=mean)
+        if error_feedback:
+            updates = jax.tree.map(
+                lambda g, r: (g.astype(jnp.float32) + r).astype(g.dtype), updates, state.residual)
+        stats = (None if adaptive is None else adaptive_lib.update_adaptive_state(
+            state.adaptive, updates, axis_name, adaptive, policy))
         if not error_feedback:
-            return _reduce_tree(updates, axis_name, **reduce), CompressedAllReduceState(key, None)
-        corrected = jax.tree.map(
-            lambda g, r: (g.astype(jnp.float32) + r).astype(g.dtype), updates, state.residual)
-        reduced, lost = _reduce_tree(corrected, axis_name, local_error=True, **reduce)
-        return reduced, CompressedAllReduceState(key, lost)
+            reduced = _reduce_tree(updates, axis_name, **reduce)
+            return reduced, CompressedAllReduceState(key, None, stats)
+        reduced, lost = _reduce_tree(updates, axis_name, local_error=True, **reduce)
+        return reduced, CompressedAllReduceState(key, lost, stats)
 
     return optax.GradientTransformation(init_fn, update_fn)
