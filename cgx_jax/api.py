@@ -19,7 +19,8 @@ from jax import lax
 
 from cgx_jax import jax_backend, kernels
 from cgx_jax.codec import Codec, padded_length, packet_bytes
-from cgx_jax.collectives import ALGORITHM_FUNCTIONS, ALGORITHMS, padding_multiple
+from cgx_jax.collectives import (ALGORITHM_FUNCTIONS, ALGORITHMS, hierarchical_reduce,
+                                 num_phases, padding_multiple, resolve_algorithm)
 from cgx_jax.policy import LayerPolicy, is_compressible, path_name
 
 BACKENDS = {"ffi": kernels, "jax": jax_backend}
@@ -56,14 +57,29 @@ def _fold(key, *data):
     return key
 
 
-def _axis_size(axis_name) -> int:
+def _axis_size(axis_name, argument: str = "axis_name") -> int:
     try:
         return lax.axis_size(axis_name)
     except NameError as err:
         raise ValueError(
-            f"axis_name {axis_name!r} is not bound here: call compressed_psum inside "
+            f"{argument} {axis_name!r} is not bound here: call compressed_psum inside "
             f"jax.pmap(..., axis_name=...) or jax.shard_map over a mesh with that axis ({err})"
         ) from None
+
+
+def _axis_tuple(axis_name) -> tuple:
+    return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+
+
+def _check_inner_axis(axis_name, inner_axis_name) -> int:
+    """The size of the inner axis; ValueError when it is unbound or overlaps ``axis_name``."""
+    shared = set(_axis_tuple(axis_name)) & set(_axis_tuple(inner_axis_name))
+    if shared:
+        raise ValueError(
+            f"inner_axis_name {inner_axis_name!r} must differ from axis_name {axis_name!r} "
+            f"(both name {sorted(map(str, shared))}): the inner axis is reduced exactly and "
+            f"the outer one compressed, each device belongs to one of each")
+    return _axis_size(inner_axis_name, "inner_axis_name")
 
 
 # ---------------------------------------------------------------------------
@@ -156,15 +172,36 @@ class _Plan:
     backend: str
     num_participants: int
     local_error: bool
+    inner_axis_name: Hashable = None
+
+    @property
+    def all_axes(self):
+        if self.inner_axis_name is None:
+            return self.axis_name
+        return _axis_tuple(self.axis_name) + _axis_tuple(self.inner_axis_name)
+
+
+def _varying_axes(x) -> frozenset:
+    """The shard_map axes ``x`` is typed as varying over (empty outside shard_map)."""
+    aval = jax.typeof(x)
+    manual = getattr(aval, "manual_axis_type", None)
+    if manual is not None:
+        return frozenset(manual.varying)
+    return frozenset(getattr(aval, "vma", ()))
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
 def _allreduce_buffer(buf, seeds, plan: _Plan):
     """(f32 sum, local compression error or an empty array)."""
     index = lax.axis_index(plan.axis_name)
-    reduce = ALGORITHM_FUNCTIONS[plan.algorithm]
-    total, error = reduce(buf, plan.axis_name, index, plan.num_participants, seeds,
-                          plan.codec, BACKENDS[plan.backend], local_error=plan.local_error)
+    if plan.inner_axis_name is None:
+        reduce = ALGORITHM_FUNCTIONS[plan.algorithm]
+        total, error = reduce(buf, plan.axis_name, index, plan.num_participants, seeds,
+                              plan.codec, BACKENDS[plan.backend], local_error=plan.local_error)
+    else:
+        total, error = hierarchical_reduce(
+            buf, plan.axis_name, plan.inner_axis_name, index, plan.num_participants, seeds,
+            plan.codec, BACKENDS[plan.backend], plan.algorithm, local_error=plan.local_error)
     return total, (jnp.zeros((0,), jnp.float32) if error is None else error)
 
 
@@ -174,7 +211,13 @@ def _allreduce_buffer_jvp(plan, primals, tangents):
     # whose transpose is again a psum, so jax.grad works through compressed_psum.
     buf, seeds = primals
     total, error = _allreduce_buffer(buf, seeds, plan)
-    return (total, error), (lax.psum(tangents[0], plan.axis_name), jnp.zeros_like(error))
+    tangent = lax.psum(tangents[0], plan.all_axes)
+    # Under shard_map the primal may vary over axes the psum made the tangent invariant in
+    # (pure-JAX decoding of an all_gather result is typed varying); the types must agree.
+    missing = tuple(sorted(_varying_axes(total) - _varying_axes(tangent), key=str))
+    if missing:
+        tangent = lax.pcast(tangent, missing, to="varying")
+    return (total, error), (tangent, jnp.zeros_like(error))
 
 
 # ---------------------------------------------------------------------------
@@ -182,7 +225,7 @@ def _allreduce_buffer_jvp(plan, primals, tangents):
 # ---------------------------------------------------------------------------
 
 def _reduce_tree(x, axis_name, *, codec, policy, key, algorithm, backend, mean,
-                 local_error=False):
+                 local_error=False, inner_axis_name=None):
     """The compressed all-reduce of a pytree; with ``local_error`` also the tree of what this
     participant's own compression lost (f32 leaves of the input's shapes, zero where exact)."""
     _check_choice("algorithm", algorithm, ALGORITHMS)
@@ -196,6 +239,10 @@ def _reduce_tree(x, axis_name, *, codec, policy, key, algorithm, backend, mean,
     elif not isinstance(policy, LayerPolicy):
         raise TypeError(f"policy must be a cgx_jax.LayerPolicy, got {type(policy).__name__}")
     num_participants = _axis_size(axis_name)
+    inner_size = 1 if inner_axis_name is None else _check_inner_axis(axis_name, inner_axis_name)
+    algorithm = resolve_algorithm(algorithm, num_participants)
+    all_axes = (axis_name if inner_axis_name is None
+                else _axis_tuple(axis_name) + _axis_tuple(inner_axis_name))
 
     flat_with_paths, treedef = jax.tree_util.tree_flatten_with_path(x)
     leaves = [jnp.asarray(leaf) for _, leaf in flat_with_paths]
@@ -219,27 +266,31 @@ def _reduce_tree(x, axis_name, *, codec, policy, key, algorithm, backend, mean,
     if key is not None and groups:
         _seed_bits(key)  # validates the key type before it is folded
         index = lax.axis_index(axis_name)
+        if inner_axis_name is not None:  # one noise stream per device
+            index = index * inner_size + lax.axis_index(inner_axis_name)
 
     out = list(leaves)
     errors = [jnp.zeros(leaf.shape, jnp.float32) for leaf in leaves] if local_error else None
     if exact:
         reduce_exact = lax.pmean if mean else lax.psum
-        for i, value in zip(exact, reduce_exact([leaves[i] for i in exact], axis_name)):
+        for i, value in zip(exact, reduce_exact([leaves[i] for i in exact], all_axes)):
             out[i] = value
     for group_number, (group_codec, members) in enumerate(groups.items()):
-        plan = _Plan(axis_name, group_codec, algorithm, backend, num_participants, local_error)
+        plan = _Plan(axis_name, group_codec, algorithm, backend, num_participants, local_error,
+                     inner_axis_name)
+        phases = num_phases(algorithm, num_participants)
         if group_codec.stochastic:
             group_key = _fold(key, group_number, index)
-            seeds = jnp.stack([_seed_bits(_fold(group_key, phase)) for phase in (0, 1)])
+            seeds = jnp.stack([_seed_bits(_fold(group_key, phase)) for phase in range(phases)])
         else:
-            seeds = jnp.zeros((2, 2), jnp.uint32)
+            seeds = jnp.zeros((phases, 2), jnp.uint32)
         pieces = [_pad_to(leaves[i].reshape(-1).astype(jnp.float32), group_codec.bucket_size)
                   for i in members]
         buf = _pad_to(jnp.concatenate(pieces),
-                      padding_multiple(algorithm, group_codec, num_participants))
+                      inner_size * padding_multiple(algorithm, group_codec, num_participants))
         total, error = _allreduce_buffer(buf, seeds, plan)
         if mean:
-            total = total / jnp.float32(num_participants)
+            total = total / jnp.float32(num_participants * inner_size)
         offset = 0
         for i, piece in zip(members, pieces):
             leaf = leaves[i]
@@ -255,17 +306,33 @@ def _reduce_tree(x, axis_name, *, codec, policy, key, algorithm, backend, mean,
 
 def compressed_psum(x, axis_name, *, codec: Codec | None = None,
                     policy: LayerPolicy | None = None, key=None, algorithm: str = "sra",
-                    backend: str = "ffi") -> Any:
+                    inner_axis_name=None, backend: str = "ffi") -> Any:
     """``lax.psum`` whose floating leaves travel as 1-8-bit quantized buckets (CGX).
 
     Call it inside ``jax.pmap``/``jax.shard_map`` with ``axis_name`` bound (a name or a tuple
     of mesh axes reduced as one group). ``codec=`` compresses every floating leaf with one
     codec; ``policy=`` decides per leaf; neither means ``LayerPolicy()`` (small, 1-D and
     non-floating leaves exact). Exact leaves go through ``lax.psum``. The output has the
-    input's structure, shapes and dtypes; sums accumulate in f32. With ``algorithm="sra"``
-    (default) or ``"allgather"`` every replica gets bitwise-identical results. Stochastic
-    rounding needs ``key`` (fold in the step; replicas' noise is made independent inside).
-    Under ``jax.grad`` it acts as an exact ``psum`` (straight-through estimator).
+    input's structure, shapes and dtypes; sums accumulate in f32. Stochastic rounding needs
+    ``key`` (fold in the step; replicas' noise is made independent inside). Under
+    ``jax.grad`` it acts as an exact ``psum`` (straight-through estimator).
+
+    ``algorithm`` (every one gives bitwise-identical results on all replicas):
+
+    - ``"sra"`` (default): scatter-reduce-allgather; each value quantized twice,
+      ``2(N-1)/N`` packets of traffic.
+    - ``"allgather"``: quantize once, gather all packets; ``N-1`` packets of traffic.
+    - ``"ring"``: ``N-1`` ``ppermute`` hops re-encoding partial sums, then a gather; as many
+      bytes as SRA, but each value is quantized up to N times, so the error bound grows
+      with N (about N/2 times SRA's; see ``cgx_jax.collectives.ring_reduce``).
+    - ``"auto"``: ``"allgather"`` for N <= 2 (same bytes as SRA, one quantization instead of
+      two), ``"sra"`` otherwise.
+
+    ``inner_axis_name`` (hierarchical reduction, for example devices of one host): the sum
+    runs over ``axis_name`` and ``inner_axis_name`` together: an exact ``lax.psum_scatter``
+    over the fast inner axis, the compressed ``algorithm`` over the outer ``axis_name`` on
+    each scattered piece (N is the outer size), an exact ``lax.all_gather`` over the inner
+    axis. The result is the compressed outer reduction of the exact inner sums.
 
     Example:
         >>> import jax, jax.numpy as jnp, numpy as np, cgx_jax as cgx
@@ -278,14 +345,16 @@ def compressed_psum(x, axis_name, *, codec: Codec | None = None,
         (4, 256)
     """
     return _reduce_tree(x, axis_name, codec=codec, policy=policy, key=key,
-                        algorithm=algorithm, backend=backend, mean=False)
+                        algorithm=algorithm, backend=backend, mean=False,
+                        inner_axis_name=inner_axis_name)
 
 
 def compressed_pmean(x, axis_name, *, codec: Codec | None = None,
                      policy: LayerPolicy | None = None, key=None, algorithm: str = "sra",
-                     backend: str = "ffi") -> Any:
+                     inner_axis_name=None, backend: str = "ffi") -> Any:
     """``compressed_psum`` divided by the number of participants (``lax.pmean`` for exact
-    leaves); same arguments.
+    leaves); same arguments. With ``inner_axis_name`` it divides by the total count, inner
+    size times outer size.
 
     Example:
         >>> import jax, jax.numpy as jnp, cgx_jax as cgx
@@ -295,4 +364,5 @@ def compressed_pmean(x, axis_name, *, codec: Codec | None = None,
         Array([1., 1., 1.], dtype=float32)
     """
     return _reduce_tree(x, axis_name, codec=codec, policy=policy, key=key,
-                        algorithm=algorithm, backend=backend, mean=True)
+                        algorithm=algorithm, backend=backend, mean=True,
+                        inner_axis_name=inner_axis_name)

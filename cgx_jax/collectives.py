@@ -3,7 +3,8 @@
 kernels never communicate, XLA moves every byte.
 
 Each function takes a flat buffer already padded for it (``padding_multiple``), this
-participant's index, ``seeds uint32[2, 2]`` (one pair per quantization phase) and a backend
+participant's index, ``seeds uint32[num_phases(algorithm, N), 2]`` (one pair per
+quantization phase: two for SRA and all-gather, one per encode for the ring) and a backend
 module (``cgx_jax.kernels`` or ``cgx_jax.jax_backend``), and returns the f32 sum and, with
 ``local_error=True``, what this participant's own compression lost (``buf`` minus what its
 peers decoded of it; error feedback adds it to the next step's gradient), else ``None``.
@@ -16,12 +17,34 @@ from jax import lax
 
 from cgx_jax.codec import Codec
 
-ALGORITHMS = ("sra", "allgather")
+ALGORITHMS = ("sra", "allgather", "ring", "auto")
+
+
+def resolve_algorithm(algorithm: str, num_participants: int) -> str:
+    """``"auto"``: all-gather for N <= 2 participants, SRA otherwise.
+
+    At N = 2 both move one packet per participant, but all-gather quantizes once instead of
+    twice (less error) and runs one collective instead of two; from N = 3 on all-gather moves
+    N-1 packets against SRA's 2(N-1)/N, so SRA wins on bytes. The ring moves as many bytes as
+    SRA but in N-1 dependent steps and with more error, so "auto" never picks it.
+    """
+    if algorithm == "auto":
+        return "allgather" if num_participants <= 2 else "sra"
+    return algorithm
+
+
+def num_phases(algorithm: str, num_participants: int) -> int:
+    """How many seed pairs an algorithm consumes: the ring encodes N times (the raw chunk,
+    then the partial sum after each of the N-1 hops); SRA and all-gather take two."""
+    if algorithm == "ring":
+        return max(num_participants, 2)
+    return 2
 
 
 def padding_multiple(algorithm: str, codec: Codec, num_participants: int) -> int:
-    """SRA splits the buffer into one whole-bucket chunk per participant; all-gather does not."""
-    if algorithm == "sra":
+    """SRA and the ring split the buffer into one whole-bucket chunk per participant;
+    all-gather does not."""
+    if algorithm in ("sra", "ring"):
         return codec.bucket_size * num_participants
     return codec.bucket_size
 
@@ -60,4 +83,95 @@ def allgather_reduce(buf, axis_name, index, num_participants, seeds, codec, ops,
     return total, error
 
 
-ALGORITHM_FUNCTIONS = {"sra": scatter_reduce_allgather, "allgather": allgather_reduce}
+def ring_reduce(buf, axis_name, index, num_participants, seeds, codec, ops, local_error=False):
+    """Ring: the buffer is N chunks; chunk ``c`` starts as the encoded raw chunk of participant
+    ``c+1`` and travels ``c+1 -> c+2 -> ... -> c`` in N-1 ``ppermute`` hops. Each receiver
+    decodes the partial sum, adds its own raw chunk and re-encodes (``reduce_requantize`` with
+    one peer packet), so participant ``c`` ends holding the encoded full sum of chunk ``c``.
+    An ``all_gather`` of those packets and one decode finish it: every participant decodes
+    the same bytes, so all replicas end bitwise identical.
+
+    Chunk ``c`` is encoded N times, the k-th time as a sum of k raw chunks, so its error is
+    at most ``r * sum_{k=1..N} unit(partial sum k)`` <= ``r * sum_{m=1..N} (N-m+1) u_m``
+    (``u_m`` the bucket unit of the m-th contributor's raw values, ``r`` = 1/2 for nearest
+    and 1 for stochastic rounding): it grows with the number of hops, up to about N/2 times
+    SRA's bound. With ``local_error`` a participant's error is what each of its own N encodes
+    lost (it encodes every chunk once), so the errors of all participants add up to exactly
+    ``exact sum - result``.
+    """
+    n = num_participants
+    chunk = buf.shape[0] // n
+    rows = buf.reshape(n, chunk)
+    perm = [(j, (j + 1) % n) for j in range(n)]
+    errors = jnp.zeros((n, chunk), jnp.float32) if local_error else None
+
+    def encode_error(errors, c, values, packet):
+        if errors is None:
+            return None
+        lost = values - ops.dequantize_rows(packet[None], codec, chunk, "float32")[0]
+        return lax.dynamic_update_index_in_dim(errors, lost, c, axis=0)
+
+    def raw_chunk(c):
+        return lax.dynamic_index_in_dim(rows, c, axis=0, keepdims=False)
+
+    c = (index + n - 1) % n  # the chunk this participant starts
+    values = raw_chunk(c)
+    packet = ops.quantize_rows(values[None], seeds[0], codec)[0]
+    errors = encode_error(errors, c, values, packet)
+    for hop in range(n - 1):
+        received = lax.ppermute(packet, axis_name, perm)
+        c = (index + 2 * n - 2 - hop) % n  # the chunk that just arrived from participant i-1
+        own = raw_chunk(c)
+        peers = jnp.stack([received, received])  # row 1 is replaced by the raw own chunk
+        if errors is None:
+            packet, _ = ops.reduce_requantize(peers, own, 1, seeds[hop + 1], codec, chunk)
+        else:
+            packet, values = ops.reduce_requantize(peers, own, 1, seeds[hop + 1], codec,
+                                                   chunk, emit_sum=True)
+            errors = encode_error(errors, c, values, packet)
+    # Now c == index: this participant holds the encoded full sum of its own chunk.
+    gathered = lax.all_gather(packet, axis_name, axis=0, tiled=False)
+    total = ops.dequantize_rows(gathered, codec, chunk, "float32").reshape(-1)
+    return total, (None if errors is None else errors.reshape(-1))
+
+
+def _all_gather_invariant(x, axis_name):
+    """Tiled all-gather over ``axis_name``, written as a ``psum`` of zero-padded pieces so
+    that ``shard_map`` types the result as invariant over the axis (what it is: every
+    participant gets the same values), as the flat algorithms' results are, and ``jax.grad``
+    treats the hierarchical result like a ``lax.psum``. Exact: every other term is zero.
+    It moves about twice the bytes of an all-gather, on the fast inner axis only; the public
+    ``lax.all_gather`` is typed varying, and jax.lax exports no invariant form."""
+    size = lax.axis_size(axis_name)
+    rows = jnp.zeros((size, x.shape[0]), x.dtype)
+    rows = lax.dynamic_update_index_in_dim(rows, x, lax.axis_index(axis_name), axis=0)
+    return lax.psum(rows, axis_name).reshape(-1)
+
+
+ALGORITHM_FUNCTIONS = {"sra": scatter_reduce_allgather, "allgather": allgather_reduce,
+                       "ring": ring_reduce}
+
+
+def hierarchical_reduce(buf, axis_name, inner_axis_name, index, num_participants, seeds, codec,
+                        ops, algorithm, local_error=False):
+    """Hierarchical: exact ``psum_scatter`` over the fast inner axis (piece ``j`` of the
+    buffer to inner participant ``j``), the compressed ``algorithm`` over the outer
+    ``axis_name`` on that piece (``index``/``num_participants`` are the outer ones), then an
+    exact tiled ``all_gather`` over the inner axis. ``buf`` is padded to a multiple of
+    ``inner_size * padding_multiple(algorithm, codec, num_participants)``.
+
+    The result is the outer compressed reduction of the exact inner sums, identical on all
+    devices. With ``local_error``: this device's outer error on its own piece, zero
+    elsewhere (the exact inner sum loses nothing).
+    """
+    piece = lax.psum_scatter(buf, inner_axis_name, scatter_dimension=0, tiled=True)
+    reduce = ALGORITHM_FUNCTIONS[algorithm]
+    total, error = reduce(piece, axis_name, index, num_participants, seeds, codec, ops,
+                          local_error=local_error)
+    total = _all_gather_invariant(total, inner_axis_name)
+    if error is not None:
+        # The piece's error sits where the piece came from; the other inner participants
+        # report zero there, so the errors of all devices still add up to the total error.
+        start = lax.axis_index(inner_axis_name) * piece.shape[0]
+        error = lax.dynamic_update_slice_in_dim(jnp.zeros_like(buf), error, start, axis=0)
+    return total, error

@@ -1,0 +1,275 @@
+"""Runs one script as N local JAX processes wired with ``jax.distributed`` (CPU collectives
+through Gloo), for tests, examples and benchmarks of multi-process data parallelism.
+
+Usage::
+
+    python -m cgx_jax.launch -n 4 [--devices-per-process 2] [--timeout 600] -- \\
+        python train.py --steps 100
+
+Every process gets ``CGX_JAX_COORDINATOR`` (``127.0.0.1:PORT``, a free port),
+``CGX_JAX_NUM_PROCESSES``, ``CGX_JAX_PROCESS_ID`` and ``CGX_JAX_LOCAL_DEVICES``, plus
+``XLA_FLAGS=--xla_force_host_platform_device_count=K`` (K simulated CPU devices each),
+``JAX_PLATFORMS=cpu`` unless set already, and ``PYTHONUNBUFFERED=1``. The script calls
+``cgx_jax.launch.initialize()`` before it uses JAX; afterwards ``jax.devices()`` lists the
+devices of all processes and a ``Mesh`` over them spans processes::
+
+    from cgx_jax.launch import initialize
+    process_id, num_processes = initialize()
+
+Each line a process prints comes out prefixed with ``[rank i] `` (stdout to stdout, stderr to
+stderr). When a process exits non-zero, the launcher stops the others (SIGTERM to their
+process groups, SIGKILL after ``--grace`` seconds), says which rank failed with which exit
+code and exits non-zero itself (the failed rank's code, 128+signal for a signal); after
+``--timeout`` seconds it stops everything and exits 124. It never waits on a hung peer.
+
+Real clusters: do not use this launcher. Start one process per host (or per accelerator)
+with the cluster's own tool (``srun`` on SLURM, ``mpirun``/``mpiexec`` with Open MPI, one
+pod per host on Kubernetes/GKE, Cloud TPU VMs) and call ``initialize()`` there too: without
+the ``CGX_JAX_*`` variables it calls ``jax.distributed.initialize()`` with no arguments,
+which finds the coordinator, process count and process id through JAX's cluster detection
+(SLURM, Open MPI, TPU, GKE environments). On GPUs the collectives go through NCCL and the
+Gloo setting does not matter; on CPU hosts Gloo binds to the address the host name resolves
+to, so make that resolve to the interface the hosts share.
+
+Keep few collective programs in flight on small CPU machines (wait on a result every step);
+see DESIGN.md section 6.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+ENV_COORDINATOR = "CGX_JAX_COORDINATOR"
+ENV_NUM_PROCESSES = "CGX_JAX_NUM_PROCESSES"
+ENV_PROCESS_ID = "CGX_JAX_PROCESS_ID"
+ENV_LOCAL_DEVICES = "CGX_JAX_LOCAL_DEVICES"
+
+
+def _exit_on_uncaught_exception() -> None:
+    """An uncaught exception prints its traceback and ends the process at once with exit
+    code 1. Otherwise the interpreter's exit runs ``jax.distributed.shutdown``, whose barrier
+    waits for the peers, which may themselves wait in a collective for this process: the
+    failure would surface only after JAX's timeouts (30 s and more) instead of now."""
+    previous = sys.excepthook
+
+    def hook(kind, value, traceback):
+        try:
+            previous(kind, value, traceback)
+        finally:
+            for stream in (sys.stdout, sys.stderr):
+                try:
+                    stream.flush()
+                except Exception:  # noqa: BLE001 - exiting anyway
+                    pass
+            os._exit(1)
+
+    sys.excepthook = hook
+
+
+def initialize(exit_on_exception: bool | None = None) -> tuple[int, int]:
+    """Joins this process to the distributed JAX runtime; returns ``(process_id,
+    num_processes)``.
+
+    Under ``python -m cgx_jax.launch`` it reads the launcher's ``CGX_JAX_*`` variables;
+    elsewhere it calls ``jax.distributed.initialize()`` with no arguments (JAX's cluster
+    detection: SLURM, Open MPI, TPU, GKE). CPU collectives across processes use Gloo, so
+    it must run before the first JAX computation.
+
+    ``exit_on_exception`` (default: on under the launcher, off elsewhere): an uncaught
+    exception ends the process immediately with exit code 1, so the launcher sees the
+    failure and stops the other ranks, instead of this process waiting in JAX's shutdown
+    barrier for peers that wait for it. (``sys.exit(code)`` is not an exception that
+    reaches this hook: to fail fast with a code of your own, use ``os._exit(code)``.)
+    """
+    import jax
+
+    # Without this, CPU computations that span processes fail ("no cross-process
+    # collectives implementation"); the GPU and TPU backends ignore it.
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    launched = ENV_PROCESS_ID in os.environ
+    if exit_on_exception if exit_on_exception is not None else launched:
+        _exit_on_uncaught_exception()
+    if launched:
+        jax.distributed.initialize(
+            coordinator_address=os.environ[ENV_COORDINATOR],
+            num_processes=int(os.environ[ENV_NUM_PROCESSES]),
+            process_id=int(os.environ[ENV_PROCESS_ID]))
+    else:
+        jax.distributed.initialize()
+    return jax.process_index(), jax.process_count()
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def child_environment(rank: int, num_processes: int, devices_per_process: int, port: int,
+                      base=None) -> dict:
+    env = dict(os.environ if base is None else base)
+    flags = [f for f in env.get("XLA_FLAGS", "").split()
+             if not f.startswith("--xla_force_host_platform_device_count")]
+    flags.append(f"--xla_force_host_platform_device_count={devices_per_process}")
+    env.update({
+        ENV_COORDINATOR: f"127.0.0.1:{port}",
+        ENV_NUM_PROCESSES: str(num_processes),
+        ENV_PROCESS_ID: str(rank),
+        ENV_LOCAL_DEVICES: str(devices_per_process),
+        "XLA_FLAGS": " ".join(flags),
+        "PYTHONUNBUFFERED": "1",
+    })
+    env.setdefault("JAX_PLATFORMS", "cpu")
+    return env
+
+
+class _Forwarder(threading.Thread):
+    """Copies one pipe to ``sink`` line by line with a rank prefix."""
+
+    def __init__(self, pipe, sink, prefix: str, lock: threading.Lock):
+        super().__init__(daemon=True)
+        self.pipe, self.sink, self.prefix, self.lock = pipe, sink, prefix, lock
+
+    def run(self):
+        for raw in iter(self.pipe.readline, b""):
+            line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
+            with self.lock:
+                self.sink.write(f"{self.prefix}{line}\n")
+                self.sink.flush()
+        self.pipe.close()
+
+
+def _signal_group(process: subprocess.Popen, sig) -> None:
+    try:
+        os.killpg(process.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _stop(processes, grace: float) -> None:
+    """SIGTERM to every running process group, SIGKILL to what is left after ``grace``."""
+    running = [p for p in processes if p.poll() is None]
+    for p in running:
+        _signal_group(p, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for p in running:
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    for p in running:
+        if p.poll() is None:
+            _signal_group(p, signal.SIGKILL)
+            p.wait()
+
+
+def _exit_code(returncode: int) -> int:
+    return 128 - returncode if returncode < 0 else min(returncode, 255)
+
+
+def _describe(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            return f"signal {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"signal {-returncode}"
+    return f"exit code {returncode}"
+
+
+def launch(command, num_processes: int, devices_per_process: int = 1, *,
+           timeout: float | None = None, grace: float = 5.0, port: int | None = None,
+           stdout=None, stderr=None) -> int:
+    """Runs ``command`` (a list) as ``num_processes`` processes; returns the exit code the
+    launcher exits with (0 when every process exited 0)."""
+    stdout = sys.stdout if stdout is None else stdout
+    stderr = sys.stderr if stderr is None else stderr
+    port = free_port() if port is None else port
+    lock = threading.Lock()
+
+    def say(message: str) -> None:
+        with lock:
+            stderr.write(f"cgx_jax.launch: {message}\n")
+            stderr.flush()
+
+    processes, forwarders = [], []
+    try:
+        for rank in range(num_processes):
+            process = subprocess.Popen(
+                command, env=child_environment(rank, num_processes, devices_per_process, port),
+                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                start_new_session=True)
+            processes.append(process)
+            for pipe, sink in ((process.stdout, stdout), (process.stderr, stderr)):
+                forwarder = _Forwarder(pipe, sink, f"[rank {rank}] ", lock)
+                forwarder.start()
+                forwarders.append(forwarder)
+        start = time.monotonic()
+        code = 0
+        while True:
+            codes = [p.poll() for p in processes]
+            failed = [(rank, c) for rank, c in enumerate(codes) if c not in (None, 0)]
+            if failed:
+                rank, returncode = failed[0]
+                others = sum(c is None for c in codes)
+                say(f"rank {rank} failed with {_describe(returncode)}; stopping the "
+                    f"{others} process(es) still running")
+                code = _exit_code(returncode) or 1
+                break
+            if all(c == 0 for c in codes):
+                break
+            if timeout is not None and time.monotonic() - start > timeout:
+                running = [rank for rank, c in enumerate(codes) if c is None]
+                say(f"timed out after {timeout:g} s; ranks still running: {running}; "
+                    f"stopping them")
+                code = 124
+                break
+            time.sleep(0.05)
+    except KeyboardInterrupt:
+        say("interrupted; stopping all processes")
+        code = 130
+    finally:
+        _stop(processes, grace)
+        for forwarder in forwarders:
+            forwarder.join(timeout=2.0)
+    return code
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m cgx_jax.launch",
+        description="Run a command as N local JAX processes (jax.distributed on 127.0.0.1, "
+                    "CPU collectives through Gloo). The command calls "
+                    "cgx_jax.launch.initialize() first.")
+    parser.add_argument("-n", "--num-processes", type=int, required=True)
+    parser.add_argument("--devices-per-process", type=int, default=1,
+                        help="simulated CPU devices per process (default 1)")
+    parser.add_argument("--timeout", type=float, default=None,
+                        help="seconds before every process is stopped (default: none)")
+    parser.add_argument("--grace", type=float, default=5.0,
+                        help="seconds between SIGTERM and SIGKILL when stopping (default 5)")
+    parser.add_argument("--port", type=int, default=None,
+                        help="coordinator port on 127.0.0.1 (default: a free one)")
+    parser.add_argument("command", nargs=argparse.REMAINDER,
+                        help="the command to run, after --")
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        parser.error("no command given: python -m cgx_jax.launch -n N -- python script.py")
+    if args.num_processes < 1:
+        parser.error(f"-n must be at least 1, got {args.num_processes}")
+    if args.devices_per_process < 1:
+        parser.error(f"--devices-per-process must be at least 1, got {args.devices_per_process}")
+    return launch(command, args.num_processes, args.devices_per_process,
+                  timeout=args.timeout, grace=args.grace, port=args.port)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

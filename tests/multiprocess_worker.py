@@ -1,0 +1,130 @@
+"""Worker for tests/test_multiprocess.py, run under ``python -m cgx_jax.launch``:
+
+    python tests/multiprocess_worker.py OUT_DIR MODE
+
+MODE ``flat``: every algorithm over a 1-D mesh of all devices of all processes; ``hier``:
+also the hierarchical reduction over a (processes, local devices) mesh; ``fail``: rank 1
+raises after joining, the others wait in a collective. Each rank writes
+``OUT_DIR/rank{i}.npz`` with, per result, the rows of its own devices (NaN elsewhere) and
+which rows those are. The test process runs ``compute`` on a sub-mesh of simulated devices
+and compares bitwise.
+"""
+
+import os
+import sys
+
+import numpy as np
+
+LENGTH = 3 * 1024 + 77
+CODEC_ARGS = dict(bits=4, bucket_size=128, rounding="stochastic")
+ALGORITHMS = ("sra", "allgather", "ring")
+
+
+def inputs(num_devices: int):
+    """The same per-device inputs in every process: floats of mixed scales, a bf16 leaf
+    and an integer leaf (reduced exactly)."""
+    rng = np.random.default_rng(1234 + num_devices)
+    x = rng.normal(size=(num_devices, LENGTH)).astype(np.float32)
+    x[:, 200:500] *= 30.0
+    half = rng.normal(size=(num_devices, 700)).astype(np.float32)
+    count = rng.integers(-1000, 1000, size=(num_devices, 5)).astype(np.int32)
+    return x, half, count
+
+
+def flat_mesh(devices):
+    from jax.sharding import Mesh
+    return Mesh(np.array(devices), ("batch",))
+
+
+def hier_mesh(devices, num_outer: int):
+    from jax.sharding import Mesh
+    return Mesh(np.array(devices).reshape(num_outer, -1), ("outer", "inner"))
+
+
+def compute(mesh, hierarchical: bool):
+    """All cases in one program; returns {name: global [devices, ...] jax.Array}."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    import cgx_jax as cgx
+
+    codec = cgx.Codec(**CODEC_ARGS)
+    axes = tuple(mesh.axis_names)
+    spec = P(axes)
+    num_devices = mesh.devices.size
+    x, half, count = inputs(num_devices)
+    half = half.astype(jnp.bfloat16)
+
+    def reduce_all(x, half, count):
+        x, half, count = x[0], half[0], count[0]
+        key = jax.random.key(7)
+        out = {}
+        for algorithm in ALGORITHMS:
+            if hierarchical:
+                out[f"hier_{algorithm}"] = cgx.compressed_psum(
+                    x, "outer", inner_axis_name="inner", codec=codec, key=key,
+                    algorithm=algorithm)
+            else:
+                out[algorithm] = cgx.compressed_psum(x, axes[0], codec=codec, key=key,
+                                                     algorithm=algorithm)
+        if not hierarchical:
+            tree = cgx.compressed_psum(
+                {"half": half, "count": count}, axes[0], key=jax.random.key(8),
+                codec=cgx.Codec(bits=3, bucket_size=64, rounding="nearest"))
+            out["tree_half"], out["tree_count"] = tree["half"], tree["count"]
+        return jax.tree.map(lambda v: v[None], out)
+
+    fn = jax.jit(jax.shard_map(reduce_all, mesh=mesh, in_specs=(spec, spec, spec),
+                               out_specs=spec))
+    sharding = NamedSharding(mesh, spec)
+    args = [jax.make_array_from_callback(a.shape, sharding, lambda index, a=a: a[index])
+            for a in (x, half, count)]
+    return jax.block_until_ready(fn(*args))  # one program in flight at a time
+
+
+def local_rows(array):
+    """(rows as f32 with NaN where this process has no shard, bool mask of its rows)."""
+    rows = np.full(array.shape, np.nan, np.float32)
+    mine = np.zeros(array.shape[0], bool)
+    for shard in array.addressable_shards:
+        rows[shard.index] = np.asarray(shard.data, np.float32)
+        mine[shard.index[0]] = True
+    return rows, mine
+
+
+def main(out_dir: str, mode: str) -> None:
+    from cgx_jax.launch import initialize
+
+    rank, num_processes = initialize()
+    import jax
+
+    devices = jax.devices()
+    print(f"process {rank}/{num_processes}: {len(jax.local_devices())} local devices, "
+          f"{len(devices)} in all", flush=True)
+    if mode == "fail":
+        if rank == 1:
+            raise RuntimeError("rank 1 fails on purpose")
+        import jax.numpy as jnp
+        from jax.sharding import PartitionSpec as P
+        mesh = flat_mesh(devices)
+        fn = jax.jit(jax.shard_map(lambda v: jax.lax.psum(v, "batch"), mesh=mesh,
+                                   in_specs=P("batch"), out_specs=P("batch")))
+        arg = jax.make_array_from_callback(
+            (len(devices), 4), jax.sharding.NamedSharding(mesh, P("batch")),
+            lambda index: np.ones((len(devices), 4), np.float32)[index])
+        for _ in range(1000):  # blocks on the dead peer until the launcher stops it
+            jax.block_until_ready(fn(arg))
+        sys.exit(0)
+    results = dict(compute(flat_mesh(devices), False))
+    if mode == "hier":
+        results.update(compute(hier_mesh(devices, num_processes), True))
+    saved = {}
+    for name, array in results.items():
+        saved[name], saved[f"{name}_mask"] = local_rows(array)
+    np.savez(os.path.join(out_dir, f"rank{rank}.npz"), **saved)
+    print(f"process {rank}: wrote {len(results)} results", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
