@@ -23,10 +23,10 @@
 
 #include "bucket_loops.h"
 #include "codec.h"
+#include "module.h"
 #include "validate.h"
 #include "xla/ffi/api/ffi.h"
 
-namespace nb = nanobind;
 namespace ffi = xla::ffi;
 
 namespace cgx {
@@ -270,18 +270,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(cgx_reduce_requantize_cpu, ReduceRequantize,
 
 }  // namespace cgx
 
-template <typename T>
-static nb::capsule encapsulate(T* fn) {
-  return nb::capsule(reinterpret_cast<void*>(fn));
-}
-
 NB_MODULE(_cgx_cpu, m) {
   m.def("registrations", []() {
-    nb::dict targets;
-    targets["cgx_quantize"] = encapsulate(cgx::cgx_quantize_cpu);
-    targets["cgx_dequantize"] = encapsulate(cgx::cgx_dequantize_cpu);
-    targets["cgx_reduce_requantize"] = encapsulate(cgx::cgx_reduce_requantize_cpu);
-    return targets;
+    return cgx::registrations(reinterpret_cast<void*>(cgx::cgx_quantize_cpu),
+                              reinterpret_cast<void*>(cgx::cgx_dequantize_cpu),
+                              reinterpret_cast<void*>(cgx::cgx_reduce_requantize_cpu));
   });
   m.def("cpu_isa", []() { return std::string(cgx::loops().isa); },
         "The instruction-set variant of the bucket loops this process uses.");

@@ -32,10 +32,10 @@
 #include <type_traits>
 
 #include "codec.h"
+#include "module.h"
 #include "validate.h"
 #include "xla/ffi/api/ffi.h"
 
-namespace nb = nanobind;
 namespace ffi = xla::ffi;
 
 namespace cgx {
@@ -708,17 +708,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(cgx_reduce_requantize_cuda, ReduceRequantize,
 
 }  // namespace cgx
 
-template <typename T>
-static nb::capsule encapsulate(T* fn) {
-  return nb::capsule(reinterpret_cast<void*>(fn));
-}
-
 NB_MODULE(_cgx_cuda, m) {
   m.def("registrations", []() {
-    nb::dict targets;
-    targets["cgx_quantize"] = encapsulate(cgx::cgx_quantize_cuda);
-    targets["cgx_dequantize"] = encapsulate(cgx::cgx_dequantize_cuda);
-    targets["cgx_reduce_requantize"] = encapsulate(cgx::cgx_reduce_requantize_cuda);
-    return targets;
+    return cgx::registrations(reinterpret_cast<void*>(cgx::cgx_quantize_cuda),
+                              reinterpret_cast<void*>(cgx::cgx_dequantize_cuda),
+                              reinterpret_cast<void*>(cgx::cgx_reduce_requantize_cuda));
   });
 }
