@@ -122,4 +122,48 @@ inline xla::ffi::Error check_reduce_requantize_args(
   return check_count_or_empty(sum_count, n, "sum");
 }
 
+// ---------------------------------------------------------------------------
+// The binding of each FFI target: operands and attribute names, defined once so the CPU
+// and CUDA handlers cannot disagree. `Context` is the platform's context (ThreadPool on
+// CPU, PlatformStream<cudaStream_t> on CUDA).
+// ---------------------------------------------------------------------------
+
+template <typename Context>
+auto quantize_binding() {
+  return xla::ffi::Ffi::Bind()
+      .Ctx<Context>()
+      .template Arg<xla::ffi::AnyBuffer>()                    // x [rows, n]
+      .template Arg<xla::ffi::Buffer<xla::ffi::U32>>()        // seed [2]
+      .template Ret<xla::ffi::Buffer<xla::ffi::U8>>()         // packets [rows, P]
+      .template Attr<int64_t>("bits")
+      .template Attr<int64_t>("bucket_size")
+      .template Attr<bool>("stochastic");
+}
+
+template <typename Context>
+auto dequantize_binding() {
+  return xla::ffi::Ffi::Bind()
+      .Ctx<Context>()
+      .template Arg<xla::ffi::Buffer<xla::ffi::U8>>()         // packets [rows, P]
+      .template Ret<xla::ffi::AnyBuffer>()                    // x' [rows, n]
+      .template Attr<int64_t>("bits")
+      .template Attr<int64_t>("bucket_size");
+}
+
+template <typename Context>
+auto reduce_requantize_binding() {
+  return xla::ffi::Ffi::Bind()
+      .Ctx<Context>()
+      .template Arg<xla::ffi::Buffer<xla::ffi::U8>>()         // peers [N, P]
+      .template Arg<xla::ffi::AnyBuffer>()                    // own [n] or [0]
+      .template Arg<xla::ffi::Buffer<xla::ffi::S32>>()        // own_index []
+      .template Arg<xla::ffi::Buffer<xla::ffi::U32>>()        // seed [2]
+      .template Ret<xla::ffi::Buffer<xla::ffi::U8>>()         // packet [P] or [0]
+      .template Ret<xla::ffi::Buffer<xla::ffi::F32>>()        // sum [n] or [0]
+      .template Attr<int64_t>("bits")
+      .template Attr<int64_t>("bucket_size")
+      .template Attr<bool>("stochastic")
+      .template Attr<int64_t>("n");
+}
+
 }  // namespace cgx

@@ -236,37 +236,11 @@ ffi::Error ReduceRequantize(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> peers, ff
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(cgx_quantize_cpu, Quantize,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::U32>>()
-                                  .Ret<ffi::Buffer<ffi::U8>>()
-                                  .Attr<int64_t>("bits")
-                                  .Attr<int64_t>("bucket_size")
-                                  .Attr<bool>("stochastic"));
-
+XLA_FFI_DEFINE_HANDLER_SYMBOL(cgx_quantize_cpu, Quantize, quantize_binding<ffi::ThreadPool>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(cgx_dequantize_cpu, Dequantize,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("bits")
-                                  .Attr<int64_t>("bucket_size"));
-
+                              dequantize_binding<ffi::ThreadPool>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(cgx_reduce_requantize_cpu, ReduceRequantize,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::U32>>()
-                                  .Ret<ffi::Buffer<ffi::U8>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int64_t>("bits")
-                                  .Attr<int64_t>("bucket_size")
-                                  .Attr<bool>("stochastic")
-                                  .Attr<int64_t>("n"));
+                              reduce_requantize_binding<ffi::ThreadPool>());
 
 }  // namespace cgx
 

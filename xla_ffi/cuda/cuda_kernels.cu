@@ -671,39 +671,13 @@ ffi::Error ReduceRequantize(cudaStream_t stream, ffi::Buffer<ffi::U8> peers, ffi
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(cgx_quantize_cuda, Quantize,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::U32>>()
-                                  .Ret<ffi::Buffer<ffi::U8>>()
-                                  .Attr<int64_t>("bits")
-                                  .Attr<int64_t>("bucket_size")
-                                  .Attr<bool>("stochastic"),
+using Stream = ffi::PlatformStream<cudaStream_t>;
+XLA_FFI_DEFINE_HANDLER_SYMBOL(cgx_quantize_cuda, Quantize, quantize_binding<Stream>(),
                               {ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(cgx_dequantize_cuda, Dequantize,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("bits")
-                                  .Attr<int64_t>("bucket_size"),
+XLA_FFI_DEFINE_HANDLER_SYMBOL(cgx_dequantize_cuda, Dequantize, dequantize_binding<Stream>(),
                               {ffi::Traits::kCmdBufferCompatible});
-
 XLA_FFI_DEFINE_HANDLER_SYMBOL(cgx_reduce_requantize_cuda, ReduceRequantize,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::U32>>()
-                                  .Ret<ffi::Buffer<ffi::U8>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int64_t>("bits")
-                                  .Attr<int64_t>("bucket_size")
-                                  .Attr<bool>("stochastic")
-                                  .Attr<int64_t>("n"),
+                              reduce_requantize_binding<Stream>(),
                               {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace cgx
