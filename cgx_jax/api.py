@@ -329,7 +329,8 @@ def compressed_psum(x, axis_name, *, codec: Codec | None = None,
       two), ``"sra"`` otherwise.
 
     ``inner_axis_name`` (hierarchical reduction, for example devices of one host): the sum
-    runs over ``axis_name`` and ``inner_axis_name`` together: an exact ``lax.psum_scatter``
+    runs over ``axis_name`` and ``inner_axis_name`` together: an exact reduce-scatter
+    (``lax.psum_scatter``; on CPU a ``psum``, see ``cgx_jax.collectives.hierarchical_reduce``)
     over the fast inner axis, the compressed ``algorithm`` over the outer ``axis_name`` on
     each scattered piece (N is the outer size), an exact ``lax.all_gather`` over the inner
     axis. The result is the compressed outer reduction of the exact inner sums.

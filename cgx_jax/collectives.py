@@ -148,14 +148,31 @@ def _all_gather_invariant(x, axis_name):
     return lax.psum(rows, axis_name).reshape(-1)
 
 
+def _exact_reduce_scatter(buf, axis_name):
+    """Tiled ``lax.psum_scatter`` over ``axis_name``, except on CPU, where it is a ``psum``
+    followed by taking this participant's piece: XLA:CPU's multi-process (Gloo) reduce-scatter
+    intermittently returns wrong values for pieces of a few MiB (jax-ml/jax#40830; seen
+    here with 4 processes x 2 devices and 32 MiB pieces, in about 1 call in 3). The psum
+    moves about twice the bytes, on the inner axis only."""
+    def via_psum(x):
+        size = x.shape[0] // lax.axis_size(axis_name)
+        return lax.dynamic_slice_in_dim(lax.psum(x, axis_name), lax.axis_index(axis_name) * size,
+                                        size)
+
+    return lax.platform_dependent(
+        buf, cpu=via_psum,
+        default=lambda x: lax.psum_scatter(x, axis_name, scatter_dimension=0, tiled=True))
+
+
 ALGORITHM_FUNCTIONS = {"sra": scatter_reduce_allgather, "allgather": allgather_reduce,
                        "ring": ring_reduce}
 
 
 def hierarchical_reduce(buf, axis_name, inner_axis_name, index, num_participants, seeds, codec,
                         ops, algorithm, local_error=False):
-    """Hierarchical: exact ``psum_scatter`` over the fast inner axis (piece ``j`` of the
-    buffer to inner participant ``j``), the compressed ``algorithm`` over the outer
+    """Hierarchical: exact reduce-scatter over the fast inner axis (piece ``j`` of the
+    buffer to inner participant ``j``; on CPU through a ``psum``, see
+    ``_exact_reduce_scatter``), the compressed ``algorithm`` over the outer
     ``axis_name`` on that piece (``index``/``num_participants`` are the outer ones), then an
     exact tiled ``all_gather`` over the inner axis. ``buf`` is padded to a multiple of
     ``inner_size * padding_multiple(algorithm, codec, num_participants)``.
@@ -164,7 +181,7 @@ def hierarchical_reduce(buf, axis_name, inner_axis_name, index, num_participants
     devices. With ``local_error``: this device's outer error on its own piece, zero
     elsewhere (the exact inner sum loses nothing).
     """
-    piece = lax.psum_scatter(buf, inner_axis_name, scatter_dimension=0, tiled=True)
+    piece = _exact_reduce_scatter(buf, inner_axis_name)
     reduce = ALGORITHM_FUNCTIONS[algorithm]
     total, error = reduce(piece, axis_name, index, num_participants, seeds, codec, ops,
                           local_error=local_error)

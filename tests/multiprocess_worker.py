@@ -7,7 +7,9 @@ also the hierarchical reduction over a (processes, local devices) mesh; ``fail``
 raises after joining, the others wait in a collective. Each rank writes
 ``OUT_DIR/rank{i}.npz`` with, per result, the rows of its own devices (NaN elsewhere) and
 which rows those are. The test process runs ``compute`` on a sub-mesh of simulated devices
-and compares bitwise.
+and compares bitwise. MODE ``hier_large``: ``compute_large`` (a hierarchical reduction of
+multi-MiB pieces, several calls); each rank writes ``OUT_DIR/rank{i}.json`` with the SHA-256
+of each of its result rows.
 """
 
 import os
@@ -83,6 +85,41 @@ def compute(mesh, hierarchical: bool):
     return jax.block_until_ready(fn(*args))  # one program in flight at a time
 
 
+LARGE_LENGTH = 1 << 24  # 32 MiB inner pieces: where XLA:CPU's Gloo reduce-scatter fails
+LARGE_CALLS = 6  # it fails intermittently (jax-ml/jax#40830), so call it several times
+
+
+def compute_large(mesh):
+    """Hierarchical 4-bit SRA over a (outer, inner) mesh of large inputs, LARGE_CALLS calls
+    of one program with a new key each; returns {f"call{i}": {device row: SHA-256 hex}} for
+    the rows this process holds."""
+    import hashlib
+
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    import cgx_jax as cgx
+
+    spec = P(tuple(mesh.axis_names))
+    codec = cgx.Codec(bits=4, bucket_size=512)
+
+    def reduce(x, seed):
+        return cgx.compressed_psum(x[0], "outer", inner_axis_name="inner", codec=codec,
+                                   key=jax.random.key(seed))[None]
+
+    fn = jax.jit(jax.shard_map(reduce, mesh=mesh, in_specs=(spec, P()), out_specs=spec))
+    x = np.random.default_rng(99).normal(size=(mesh.devices.size, LARGE_LENGTH))
+    x = x.astype(np.float32)
+    arg = jax.make_array_from_callback(x.shape, NamedSharding(mesh, spec), lambda i: x[i])
+    digests = {}
+    for call in range(LARGE_CALLS):
+        out = jax.block_until_ready(fn(arg, np.uint32(call)))
+        digests[f"call{call}"] = {
+            str(shard.index[0].start): hashlib.sha256(np.asarray(shard.data).tobytes()).hexdigest()
+            for shard in out.addressable_shards}
+    return digests
+
+
 def local_rows(array):
     """(rows as f32 with NaN where this process has no shard, bool mask of its rows)."""
     rows = np.full(array.shape, np.nan, np.float32)
@@ -116,6 +153,13 @@ def main(out_dir: str, mode: str) -> None:
         for _ in range(1000):  # blocks on the dead peer until the launcher stops it
             jax.block_until_ready(fn(arg))
         sys.exit(0)
+    if mode == "hier_large":
+        import json
+        digests = compute_large(hier_mesh(devices, num_processes))
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(digests, f)
+        print(f"process {rank}: wrote {len(digests)} digests", flush=True)
+        return
     results = dict(compute(flat_mesh(devices), False))
     if mode == "hier":
         results.update(compute(hier_mesh(devices, num_processes), True))

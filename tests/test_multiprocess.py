@@ -2,6 +2,7 @@
 127.0.0.1, CPU collectives through Gloo) equals the single-process result on simulated
 devices bitwise, for every algorithm; a failing process stops the launch quickly."""
 
+import json
 import os
 import subprocess
 import sys
@@ -86,6 +87,22 @@ def test_processes_match_single_process_bitwise(tmp_path, num_processes, devices
     x = worker.inputs(num_processes * devices_per_process)[0]
     assert np.max(np.abs(got["sra"][0] - x.sum(0))) > 0
     assert not np.array_equal(got["sra"], got["ring"])
+
+
+def test_hierarchical_large_pieces_across_processes(tmp_path):
+    """Regression: XLA:CPU's multi-process reduce-scatter returns wrong values for multi-MiB
+    pieces in some calls (jax-ml/jax#40830); the hierarchical reduction must not use it there.
+    Every row of every call equals the single-process result bitwise."""
+    done, _ = launch(2, 2, tmp_path, "hier_large", timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    got = {}
+    for rank in range(2):
+        with open(os.path.join(tmp_path, f"rank{rank}.json")) as f:
+            for call, rows in json.load(f).items():
+                got.setdefault(call, {}).update(rows)
+    want = worker.compute_large(worker.hier_mesh(jax.devices("cpu")[:4], 2))
+    assert len(want) == worker.LARGE_CALLS and all(len(rows) == 4 for rows in want.values())
+    assert got == want
 
 
 def test_failing_process_stops_the_launch(tmp_path):
