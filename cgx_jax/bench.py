@@ -101,6 +101,11 @@ def format_table(rows: list[dict]) -> str:
 
 
 def main(argv=None) -> None:
+    import sys
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["allreduce"]:  # its own parser, checks and --from-json
+        from cgx_jax import bench_allreduce
+        raise SystemExit(bench_allreduce.main(argv[1:]))
     parser = argparse.ArgumentParser(prog="python -m cgx_jax.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -111,15 +116,9 @@ def main(argv=None) -> None:
     k.add_argument("--repeats", type=int, default=5)
     k.add_argument("--platform", default=None, help="cpu or gpu (default: JAX's default)")
     k.add_argument("--json", default=None, help="also write the rows as JSON to this path")
-    from cgx_jax import bench_allreduce
-    a = sub.add_parser("allreduce", help="psum vs bf16 psum vs compressed_psum across N "
-                       "processes on an emulated (netns + tc) link; see cgx_jax.bench_allreduce")
-    bench_allreduce.add_arguments(a)
+    sub.add_parser("allreduce", help="psum vs bf16 psum vs compressed_psum across N processes "
+                   "on an emulated (netns + tc) link; python -m cgx_jax.bench allreduce -h")
     args = parser.parse_args(argv)
-    if args.command == "allreduce":
-        import sys
-        args.argv = list(sys.argv[2:] if argv is None else argv[1:])
-        raise SystemExit(bench_allreduce.run(args))
 
     _keep_freed_memory_mapped()
     device = jax.devices(args.platform)[0] if args.platform else jax.devices()[0]

@@ -40,7 +40,6 @@ import tempfile
 import time
 
 NS_PREFIX = "cgxbench"
-HUB = NS_PREFIX + "hub"
 BRIDGE = "cgxbr0"
 PORT = 23456
 
@@ -90,10 +89,12 @@ class Network:
     deletes exactly what ``create()`` made (idempotent)."""
 
     def __init__(self, num_processes: int, rate_bps: float, rate_text: str,
-                 subnet: str = "10.213.0"):
+                 subnet: str = "10.213.0", prefix: str = NS_PREFIX):
         self.n = num_processes
         self.rate_bps, self.rate_text = rate_bps, rate_text
         self.subnet = subnet
+        self.prefix = prefix
+        self.hub = prefix + "hub"
         self.namespaces: list[str] = []
         self.etc_dirs: list[str] = []
         self.made_etc_netns = False
@@ -102,7 +103,7 @@ class Network:
         return f"{self.subnet}.{rank + 1}"
 
     def namespace(self, rank: int) -> str:
-        return f"{NS_PREFIX}{rank}"
+        return f"{self.prefix}{rank}"
 
     def _tbf(self, dev: str, ns: str) -> None:
         # Burst: at least one timer tick of traffic at 250 Hz, and no less than 32 KiB.
@@ -113,7 +114,7 @@ class Network:
     def create(self) -> None:
         existing = set(line.split()[0] for line in
                        _ip("ip", "netns", "list").stdout.splitlines() if line.strip())
-        wanted = [HUB] + [self.namespace(r) for r in range(self.n)]
+        wanted = [self.hub] + [self.namespace(r) for r in range(self.n)]
         clash = [ns for ns in wanted if ns in existing]
         if clash:
             raise RuntimeError(
@@ -122,11 +123,12 @@ class Network:
                 f"`rm -r /etc/netns/NAME` if they are stale")
         hostname = socket.gethostname()
         self.made_etc_netns = not os.path.isdir("/etc/netns")
-        _ip("ip", "netns", "add", HUB)
-        self.namespaces.append(HUB)
-        _ip("ip", "link", "set", "lo", "up", ns=HUB)
-        _ip("ip", "link", "add", BRIDGE, "type", "bridge", ns=HUB)
-        _ip("ip", "link", "set", BRIDGE, "up", ns=HUB)
+        hub = self.hub
+        _ip("ip", "netns", "add", hub)
+        self.namespaces.append(hub)
+        _ip("ip", "link", "set", "lo", "up", ns=hub)
+        _ip("ip", "link", "add", BRIDGE, "type", "bridge", ns=hub)
+        _ip("ip", "link", "set", BRIDGE, "up", ns=hub)
         for rank in range(self.n):
             ns = self.namespace(rank)
             etc = f"/etc/netns/{ns}"
@@ -140,14 +142,14 @@ class Network:
             # Both ends are created directly inside their namespaces: nothing appears in
             # the host's own namespace.
             _ip("ip", "link", "add", inner, "netns", ns, "type", "veth",
-                "peer", "name", outer, "netns", HUB, ns=HUB)
-            _ip("ip", "link", "set", outer, "master", BRIDGE, ns=HUB)
-            _ip("ip", "link", "set", outer, "up", ns=HUB)
+                "peer", "name", outer, "netns", hub, ns=hub)
+            _ip("ip", "link", "set", outer, "master", BRIDGE, ns=hub)
+            _ip("ip", "link", "set", outer, "up", ns=hub)
             _ip("ip", "link", "set", "lo", "up", ns=ns)
             _ip("ip", "addr", "add", f"{self.address(rank)}/24", "dev", inner, ns=ns)
             _ip("ip", "link", "set", inner, "up", ns=ns)
             self._tbf(inner, ns)
-            self._tbf(outer, HUB)
+            self._tbf(outer, hub)
 
     def remove(self) -> list[str]:
         """Deletes the namespaces (which deletes their veths, bridge and qdiscs) and the
@@ -173,13 +175,17 @@ class Network:
 
 
 def can_shape() -> tuple[bool, str]:
+    """Whether this process may build the namespaces: root, ``ip`` and ``tc`` present, and a
+    probe namespace can be added and deleted (containers often lack the capability)."""
     if os.geteuid() != 0:
         return False, "not root"
     if shutil.which("ip") is None or shutil.which("tc") is None:
         return False, "`ip` or `tc` not found"
-    r = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
+    probe = f"cgxprobe{os.getpid()}"
+    r = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
     if r.returncode != 0:
-        return False, f"`ip netns` failed: {r.stderr.strip()}"
+        return False, f"`ip netns add` failed: {r.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True, text=True)
     return True, ""
 
 
@@ -203,15 +209,21 @@ def _worker(args) -> None:
     from cgx_jax.bench import _keep_freed_memory_mapped
 
     _keep_freed_memory_mapped()
-    devices = jax.devices()
-    mesh = Mesh(np.array(devices), ("p",))
-    spec = P("p")
+    per_process = len(jax.local_devices())
+    # Process-major (num_processes, per_process) grid: "proc" crosses the network, "dev" is
+    # the devices inside one process (hierarchical runs reduce over it exactly first).
+    grid = np.array(sorted(jax.devices(), key=lambda d: (d.process_index, d.id)))
+    grid = grid.reshape(num_processes, per_process)
+    mesh = Mesh(grid, ("proc", "dev"))
+    axes = ("proc", "dev")
+    spec = P(axes)
     sharding = NamedSharding(mesh, spec)
-    n = len(devices)
-    local = jax.local_devices()[0]
+    n = grid.size
+    local = [d for d in grid.reshape(-1) if d.process_index == jax.process_index()]
     if rank == 0:
-        print(f"{num_processes} processes, {n} devices, host {socket.gethostname()} -> "
-              f"{socket.gethostbyname(socket.gethostname())}", flush=True)
+        print(f"{num_processes} processes x {per_process} devices, host "
+              f"{socket.gethostname()} -> {socket.gethostbyname(socket.gethostname())}",
+              flush=True)
 
     def program(body):
         return jax.jit(jax.shard_map(lambda v: body(v[0])[None], mesh=mesh, in_specs=spec,
@@ -230,24 +242,35 @@ def _worker(args) -> None:
     def own_row(array):
         return np.asarray(array.addressable_shards[0].data[0], np.float32)
 
+    def compressed(codec, algorithm):
+        if algorithm == "hierarchical":
+            return lambda v: cgx.compressed_psum(v, "proc", codec=codec, key=jax.random.key(0),
+                                                 algorithm="sra", inner_axis_name="dev")
+        return lambda v: cgx.compressed_psum(v, axes, codec=codec, key=jax.random.key(0),
+                                             algorithm=algorithm)
+
+    algorithms = [a for a in args.algorithms if a != "hierarchical" or per_process > 1]
+    if rank == 0 and len(algorithms) < len(args.algorithms):
+        print("  (hierarchical needs --devices-per-process 2 or more: skipped)", flush=True)
     rows = []
     for size in args.sizes:
-        rng = np.random.default_rng(1000 + rank)
-        mine = rng.standard_normal(size, dtype=np.float32)
-        x = jax.make_array_from_single_device_arrays(
-            (n, size), sharding, [jax.device_put(mine[None], local)])
-        del mine
-        methods = [("psum f32", "", 32, lambda v: jax.lax.psum(v, "p")),
+        pieces = []
+        for device in local:
+            index = int(np.flatnonzero(grid.reshape(-1) == device)[0])
+            row = np.random.default_rng(1000 + index).standard_normal(size, dtype=np.float32)
+            pieces.append(jax.device_put(row[None], device))
+        x = jax.make_array_from_single_device_arrays((n, size), sharding, pieces)
+        del pieces
+        methods = [("psum f32", "", 32, lambda v: jax.lax.psum(v, axes)),
                    ("psum bf16", "", 16,
-                    lambda v: jax.lax.psum(v.astype(jnp.bfloat16), "p").astype(jnp.float32))]
-        for algorithm in args.algorithms:
+                    lambda v: jax.lax.psum(v.astype(jnp.bfloat16), axes).astype(jnp.float32))]
+        for algorithm in algorithms:
             for bits in args.bits:
                 codec = cgx.Codec(bits=bits, bucket_size=args.bucket_size,
                                   rounding=args.rounding)
-                methods.append((
-                    f"cgx {algorithm} {bits}b", algorithm, bits,
-                    lambda v, codec=codec, algorithm=algorithm: cgx.compressed_psum(
-                        v, "p", codec=codec, key=jax.random.key(0), algorithm=algorithm)))
+                label = "hier-sra" if algorithm == "hierarchical" else algorithm
+                methods.append((f"cgx {label} {bits}b", algorithm, bits,
+                                compressed(codec, algorithm)))
         reference = None
         for name, algorithm, bits, body in methods:
             fn = program(body)
@@ -373,72 +396,152 @@ def _torch_worker(args) -> None:
 
 # --------------------------------------------------------------------------- report
 
-def add_ratios(rows: list[dict], num_processes: int) -> list[dict]:
-    order = {size: i for i, size in enumerate(dict.fromkeys(r["elements"] for r in rows))}
-    rows = sorted(rows, key=lambda r: order[r["elements"]])  # stable: JAX rows, then torch
-    base = {}
+def add_ratios(rows: list[dict], num_participants: int) -> list[dict]:
+    """Adds algbw and the speedups over ``psum f32`` / ``psum bf16`` of the same link and
+    size; keeps the order links, sizes, JAX rows, torch rows."""
+    groups = {}
     for r in rows:
-        if r["method"] in ("psum f32", "psum bf16"):
-            base[(r["elements"], r["method"])] = r["seconds"]
-    for r in rows:
-        size = r["elements"]
-        r["algbw_gb_per_s"] = 2 * (num_processes - 1) / num_processes * 4 * size / r["seconds"] / 1e9
-        r["vs_f32"] = base[(size, "psum f32")] / r["seconds"]
-        r["vs_bf16"] = base[(size, "psum bf16")] / r["seconds"]
-    return rows
+        groups.setdefault((r.get("link", ""), r["elements"]), []).append(r)
+    out = []
+    for group in groups.values():
+        base = {r["method"]: r["seconds"] for r in group if r["method"].startswith("psum ")}
+        for r in group:
+            size = r["elements"]
+            r["algbw_gb_per_s"] = (2 * (num_participants - 1) / num_participants * 4 * size
+                                   / r["seconds"] / 1e9)
+            r["vs_f32"] = base["psum f32"] / r["seconds"]
+            r["vs_bf16"] = base["psum bf16"] / r["seconds"]
+            out.append(r)
+    return out
 
 
 def format_table(rows: list[dict]) -> str:
-    header = (f"{'size':>6} {'method':<18} {'ms':>10} {'algbw GB/s':>11} {'x f32':>7} "
-              f"{'x bf16':>7} {'rel err':>9}")
+    header = (f"{'link':<8} {'size':>6} {'method':<18} {'ms':>10} {'algbw GB/s':>11} "
+              f"{'x f32':>7} {'x bf16':>7} {'rel err':>9}")
     lines = [header, "-" * len(header)]
     for r in rows:
-        lines.append(f"{size_label(r['elements']):>6} {r['method']:<18} "
+        lines.append(f"{r.get('link', ''):<8} {size_label(r['elements']):>6} {r['method']:<18} "
                      f"{r['seconds'] * 1e3:>10.2f} {r['algbw_gb_per_s']:>11.3f} "
                      f"{r['vs_f32']:>7.2f} {r['vs_bf16']:>7.2f} {r['rel_error']:>9.2e}")
     return "\n".join(lines)
 
 
+_PROMOTED_NOTE = ("XLA promoted the bf16 all-reduce to f32 (compiled HLO), so `psum bf16` "
+                  "moves f32 bytes here; an ideal bf16 psum would take half the f32 time.")
+
+
 def format_markdown(rows: list[dict], title: str) -> str:
-    notes = ""
-    if any(r.get("wire_promoted_to_f32") for r in rows):
-        notes = ("\n\nXLA promoted the bf16 all-reduce to f32 (compiled HLO), so `psum bf16` "
-                 "moves f32 bytes here; an ideal bf16 psum would take half the f32 time.")
+    notes = f"\n\n{_PROMOTED_NOTE}" if any(r.get("wire_promoted_to_f32") for r in rows) else ""
     lines = [f"{title}{notes}", "",
-             "| size | method | ms | algbw GB/s | x f32 psum | x bf16 psum | rel. error |",
-             "|---:|:---|---:|---:|---:|---:|---:|"]
+             "| link | size | method | ms | algbw GB/s | x f32 psum | x bf16 psum | rel. error |",
+             "|:---|---:|:---|---:|---:|---:|---:|---:|"]
     for r in rows:
-        lines.append(f"| {size_label(r['elements'])} | {r['method']} | {r['seconds'] * 1e3:.2f} "
-                     f"| {r['algbw_gb_per_s']:.3f} | {r['vs_f32']:.2f} | {r['vs_bf16']:.2f} "
-                     f"| {r['rel_error']:.2e} |")
+        lines.append(f"| {r.get('link', '')} | {size_label(r['elements'])} | {r['method']} "
+                     f"| {r['seconds'] * 1e3:.2f} | {r['algbw_gb_per_s']:.3f} "
+                     f"| {r['vs_f32']:.2f} | {r['vs_bf16']:.2f} | {r['rel_error']:.2e} |")
     return "\n".join(lines) + "\n"
+
+
+def _link_order(link: str) -> float:
+    rate = parse_rate(link)
+    return float("inf") if rate is None else rate
+
+
+def plot(rows: list[dict], path: str, title: str) -> None:
+    """One panel per gradient size: speedup over ``psum f32`` (log scale) against the link
+    rate, one line per method; the dotted line at 1 is where compression stops paying."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    links = sorted(dict.fromkeys(r["link"] for r in rows), key=_link_order)
+    sizes = list(dict.fromkeys(r["elements"] for r in rows))
+    methods = [m for m in dict.fromkeys(r["method"] for r in rows) if m != "psum f32"]
+    fig, axes = plt.subplots(1, len(sizes), figsize=(4.2 * len(sizes) + 1.8, 4.2),
+                             sharey=True, squeeze=False)
+    styles = {"cgx": "-", "psum": "--", "torch": ":"}
+    for ax, size in zip(axes[0], sizes):
+        for method in methods:
+            points = {r["link"]: r["vs_f32"] for r in rows
+                      if r["elements"] == size and r["method"] == method}
+            xs = [i for i, link in enumerate(links) if link in points]
+            if not xs:
+                continue
+            ax.plot(xs, [points[links[i]] for i in xs], styles[method.split()[0]],
+                    marker="o", markersize=3.5, label=method)
+        ax.axhline(1.0, color="gray", linestyle=":", linewidth=1)
+        ax.set_xticks(range(len(links)), [
+            "unshaped" if parse_rate(link) is None else link for link in links])
+        ax.set_yscale("log")
+        ax.set_title(f"{size_label(size)} f32 elements")
+        ax.set_xlabel("link rate per process")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].set_ylabel("speedup over lax.psum f32")
+    axes[0][-1].legend(loc="center left", bbox_to_anchor=(1.02, 0.5), fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_reports(result: dict, args) -> None:
+    rows = result["rows"]
+    title = (f"all-reduce, {result['processes']} processes x {result['devices_per_process']} "
+             f"devices, median of {result['repeats']}; algbw = 2(N-1)/N * 4 B * size / time")
+    print(f"# {title}")
+    for note in result["notes"]:
+        print(f"# {note}")
+    print(format_table(rows))
+    if any(r.get("wire_promoted_to_f32") for r in rows):
+        print(f"# note: {_PROMOTED_NOTE}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(format_markdown(rows, f"`{result['command']}`: {title}"))
+    if args.plot:
+        plot(rows, args.plot, result["command"])
 
 
 # --------------------------------------------------------------------------- orchestrator
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--processes", type=int, default=4)
-    p.add_argument("--link", default="1gbit",
+    p.add_argument("--devices-per-process", type=int, default=1,
+                   help="simulated CPU devices per process (default 1); 2 or more enables "
+                        "--algorithms hierarchical (exact inside a process, compressed across)")
+    p.add_argument("--link", nargs="+", default=["1gbit"],
                    help="tc rate of every process's link (1gbit, 10gbit, 100mbit) or none "
-                        "(unshaped loopback)")
+                        "(unshaped loopback); several values run one after the other")
     p.add_argument("--sizes", type=parse_size, nargs="+", default=[1 << 20, 16 << 20],
                    help="gradient sizes in f32 elements: 1M 16M 64M (default 1M 16M)")
     p.add_argument("--bits", type=int, nargs="+", default=[2, 4, 8])
     p.add_argument("--algorithms", nargs="+", default=["sra"],
-                   choices=["sra", "ring", "allgather", "auto"])
+                   choices=["sra", "ring", "allgather", "auto", "hierarchical"])
     p.add_argument("--bucket-size", type=int, default=1024)
     p.add_argument("--rounding", default="stochastic", choices=["stochastic", "nearest"])
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--timeout", type=float, default=1800,
-                   help="seconds before the worker processes are stopped (default 1800)")
+                   help="seconds before the worker processes of one link are stopped "
+                        "(default 1800)")
     p.add_argument("--subnet", default="10.213.0",
                    help="first three octets of the private /24 used inside the namespaces")
+    p.add_argument("--netns-prefix", default=NS_PREFIX,
+                   help=f"names of the namespaces: PREFIX0.. and PREFIXhub (default {NS_PREFIX}; "
+                        f"change it to run two benchmarks at once)")
     p.add_argument("--torch", default="auto", choices=["auto", "yes", "no"],
                    help="also measure PyTorch DDP (gloo) plain / fp16 hook / PowerSGD r4 in the "
-                        "same network (auto: when torch is importable)")
+                        "same network (auto: when torch is importable and there is one "
+                        "device per process)")
     p.add_argument("--json", default=None, help="also write the rows as JSON to this path")
     p.add_argument("--markdown", default=None, help="also write a markdown table to this path")
+    p.add_argument("--plot", default=None,
+                   help="also write a PNG of speedup vs link rate, one panel per size "
+                        "(needs matplotlib)")
+    p.add_argument("--from-json", default=None, metavar="PATH",
+                   help="measure nothing: print and write the reports of an earlier --json")
 
 
 def _worker_arguments(args, out: str, coordinator: str | None, kind: str = "--worker"
@@ -457,35 +560,25 @@ class _Terminated(Exception):
     pass
 
 
-def run(args) -> int:
-    from cgx_jax.launch import launch
+def _run_link(args, link: str, use_torch: bool, tmp: str) -> tuple[int, list[dict], str]:
+    """Builds the network for one link rate (or none), runs the JAX workers and the torch
+    peers in it, and tears it down whatever happens; returns (exit code, rows, note)."""
+    from cgx_jax.launch import free_port, launch
 
-    rate = parse_rate(args.link)
-    network = None
-    note = ""
+    rate = parse_rate(link)
+    network, note = None, ""
     if rate is not None:
         ok, why = can_shape()
         if ok:
-            network = Network(args.processes, rate, args.link, args.subnet)
+            network = Network(args.processes, rate, link, args.subnet, args.netns_prefix)
         else:
-            note = (f"WARNING: cannot emulate a {args.link} link ({why}); running UNSHAPED on "
-                    f"loopback instead")
+            note = f"WARNING: cannot emulate a {link} link ({why}); ran UNSHAPED on loopback"
             print(note, file=sys.stderr, flush=True)
-    link_text = f"{args.link} tbf per link, netns/veth/bridge" if network else (
+    link_text = f"{link} tbf per link, netns/veth/bridge" if network else (
         "unshaped loopback" + (" (shaping unavailable)" if rate is not None else ""))
-
-    def on_term(signum, frame):
-        raise _Terminated(f"signal {signum}")
-
-    previous = {s: signal.signal(s, on_term) for s in (signal.SIGTERM, signal.SIGHUP)}
-    use_torch = args.torch == "yes"
-    if args.torch == "auto":
-        import importlib.util
-        use_torch = importlib.util.find_spec("torch") is not None
-    tmp = tempfile.mkdtemp(prefix="cgx_bench_allreduce_")
-    out = os.path.join(tmp, "rows.json")
-    torch_out = os.path.join(tmp, "torch_rows.json")
-    code = 1
+    out = os.path.join(tmp, f"rows_{link}.json")
+    torch_out = os.path.join(tmp, f"torch_rows_{link}.json")
+    code, rows = 1, []
     try:
         if network:
             network.create()
@@ -493,17 +586,15 @@ def run(args) -> int:
             torch_coordinator = f"{network.address(0)}:{PORT + 1}"
             # Every rank's command runs in its own namespace; launch() sets the rank.
             wrapper = ["sh", "-c",
-                       f'exec ip netns exec {NS_PREFIX}"$CGX_JAX_PROCESS_ID" "$@"', "sh"]
+                       f'exec ip netns exec {network.prefix}"$CGX_JAX_PROCESS_ID" "$@"', "sh"]
         else:
-            from cgx_jax.launch import free_port
             coordinator, torch_coordinator = None, f"127.0.0.1:{free_port()}"
             wrapper = []
-        command = wrapper + _worker_arguments(args, out, coordinator)
-        print(f"# all-reduce across {args.processes} processes x 1 CPU device, {link_text}; "
-              f"median of {args.repeats} after {args.warmup} warm-up, "
-              f"bucket {args.bucket_size}, {args.rounding} rounding", flush=True)
-        start = time.monotonic()
-        code = launch(command, args.processes, 1, timeout=args.timeout)
+        print(f"# all-reduce across {args.processes} processes x {args.devices_per_process} "
+              f"CPU devices, {link_text}; median of {args.repeats} after {args.warmup} "
+              f"warm-up, bucket {args.bucket_size}, {args.rounding} rounding", flush=True)
+        code = launch(wrapper + _worker_arguments(args, out, coordinator), args.processes,
+                      args.devices_per_process, timeout=args.timeout)
         if code == 0 and use_torch:
             print("# PyTorch DDP (gloo) in the same network", flush=True)
             torch_code = launch(wrapper + _worker_arguments(args, torch_out, torch_coordinator,
@@ -514,49 +605,60 @@ def run(args) -> int:
                       f"{torch_code}); reporting the JAX rows only", file=sys.stderr)
                 if torch_code == 130:
                     code = 130
-        elapsed = time.monotonic() - start
-    except (KeyboardInterrupt, _Terminated) as e:
-        print(f"cgx_jax.bench allreduce: interrupted ({e or 'Ctrl-C'}); cleaning up",
-              file=sys.stderr)
-        code = 130
     finally:
         problems = network.remove() if network else []
-        for s, handler in previous.items():
-            signal.signal(s, handler)
         if problems:
             print("cgx_jax.bench allreduce: cleanup problems:\n  " + "\n  ".join(problems),
                   file=sys.stderr)
-        rows = None
-        if code == 0 and os.path.exists(out):
-            with open(out) as f:
-                rows = json.load(f)
-            if os.path.exists(torch_out):
-                with open(torch_out) as f:
+    if code == 0:
+        for path in (out, torch_out):
+            if os.path.exists(path):
+                with open(path) as f:
                     rows += json.load(f)
+    for r in rows:
+        r.update(link=link if network else "none", link_requested=link)
+    return code, rows, note
+
+
+def run(args) -> int:
+    def on_term(signum, frame):
+        raise _Terminated(f"signal {signum}")
+
+    previous = {s: signal.signal(s, on_term) for s in (signal.SIGTERM, signal.SIGHUP)}
+    use_torch = args.torch == "yes"
+    if args.torch == "auto":
+        import importlib.util
+        use_torch = (importlib.util.find_spec("torch") is not None
+                     and args.devices_per_process == 1)
+    tmp = tempfile.mkdtemp(prefix="cgx_bench_allreduce_")
+    code, rows, notes = 0, [], []
+    start = time.monotonic()
+    try:
+        for link in args.link:
+            code, link_rows, note = _run_link(args, link, use_torch, tmp)
+            if code != 0:
+                break
+            rows += link_rows
+            notes += [note] if note else []
+    except (KeyboardInterrupt, _Terminated) as e:
+        print(f"cgx_jax.bench allreduce: interrupted ({e or 'Ctrl-C'}); cleaned up",
+              file=sys.stderr)
+        code = 130
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
         shutil.rmtree(tmp, ignore_errors=True)
-    if code != 0 or rows is None:
+    if code != 0 or not rows:
         print(f"cgx_jax.bench allreduce: workers failed (exit code {code})", file=sys.stderr)
         return code or 1
-    rows = add_ratios(rows, args.processes)
-    title = (f"all-reduce, {args.processes} processes, {link_text}, median of {args.repeats}; "
-             f"algbw = 2(N-1)/N * 4 B * size / time")
-    print(f"# {title} (wall {elapsed:.0f} s)")
-    if note:
-        print(f"# {note}")
-    print(format_table(rows))
-    if any(r.get("wire_promoted_to_f32") for r in rows):
-        print("# note: XLA promoted the bf16 all-reduce to f32 (compiled HLO), so 'psum bf16' "
-              "moves f32 bytes here; the ideal bf16 psum would take half the f32 time")
-    meta = dict(processes=args.processes, link=args.link, shaped=network is not None,
-                note=note, repeats=args.repeats, warmup=args.warmup,
-                bucket_size=args.bucket_size, rounding=args.rounding,
-                command="python -m cgx_jax.bench allreduce " + " ".join(args.argv))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(meta, rows=rows), f, indent=2)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(format_markdown(rows, f"`{meta['command']}`: {title}"))
+    rows = add_ratios(rows, args.processes * args.devices_per_process)
+    result = dict(processes=args.processes, devices_per_process=args.devices_per_process,
+                  links=args.link, notes=notes, repeats=args.repeats, warmup=args.warmup,
+                  bucket_size=args.bucket_size, rounding=args.rounding,
+                  wall_seconds=round(time.monotonic() - start, 1),
+                  command="python -m cgx_jax.bench allreduce " + " ".join(args.argv),
+                  rows=rows)
+    write_reports(result, args)
     return 0
 
 
@@ -578,8 +680,27 @@ def main(argv=None) -> int:
     if args.torch_worker:
         _torch_worker(args)
         return 0
+    if args.from_json:
+        with open(args.from_json) as f:
+            write_reports(json.load(f), args)
+        return 0
     if args.processes < 2:
-        parser.error("--processes must be at least 2")
+        parser.error(f"--processes must be at least 2, got {args.processes}")
+    if args.devices_per_process < 1:
+        parser.error(f"--devices-per-process must be at least 1, got {args.devices_per_process}")
+    if not re.fullmatch(r"[A-Za-z][A-Za-z0-9_-]{0,9}", args.netns_prefix):
+        parser.error(f"--netns-prefix must be a letter and up to 9 letters, digits, _ or -, "
+                     f"got {args.netns_prefix!r}")
+    for link in args.link:
+        try:
+            parse_rate(link)
+        except argparse.ArgumentTypeError as e:
+            parser.error(f"argument --link: {e}")
+    if args.plot:
+        import importlib.util
+        if importlib.util.find_spec("matplotlib") is None:
+            parser.error("--plot needs matplotlib: pip install matplotlib "
+                         "(or pip install -e '.[examples]')")
     return run(args)
 
 

@@ -1,0 +1,201 @@
+"""``python -m cgx_jax.bench allreduce``: argument parsing, the report arithmetic, an unshaped
+end-to-end run across real processes (flat and hierarchical), and, where this machine allows
+network namespaces (root), the shaped topology: it is built as described, carries traffic
+between namespaces, and is removed afterwards, also when the workers time out or the
+benchmark gets SIGTERM."""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from cgx_jax import bench_allreduce as bench
+
+PREFIX = "cgxtest"  # not the benchmark's default, so a benchmark running meanwhile is safe
+SUBNET = "10.213.77"
+
+
+def run_cli(*args, timeout=240):
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)  # the launcher sets each process's device count
+    return subprocess.run([sys.executable, "-m", "cgx_jax.bench", "allreduce", *args],
+                          capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def namespaces():
+    listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return {line.split()[0] for line in listing.splitlines() if line.strip()}
+
+
+def ours():
+    return {ns for ns in namespaces() if ns.startswith(PREFIX)}
+
+
+needs_netns = pytest.mark.skipif(not bench.can_shape()[0],
+                                 reason=f"network namespaces unavailable: {bench.can_shape()[1]}")
+
+
+def test_parse_size_and_rate():
+    assert [bench.parse_size(s) for s in ("4096", "64K", "1M", "16m")] == [
+        4096, 65536, 1 << 20, 16 << 20]
+    assert [bench.size_label(s) for s in (4096, 65536, 1 << 20, 3000)] == [
+        "4K", "64K", "1M", "3000"]
+    assert bench.parse_rate("1gbit") == 1e9
+    assert bench.parse_rate("100mbit") == 1e8
+    assert bench.parse_rate("none") is None
+    for bad, parse in (("16 MB", bench.parse_size), ("-1", bench.parse_size),
+                       ("1gb", bench.parse_rate), ("fast", bench.parse_rate)):
+        with pytest.raises(argparse.ArgumentTypeError, match=repr(bad)):
+            parse(bad)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--processes", "1"], "--processes must be at least 2, got 1"),
+    (["--devices-per-process", "0"], "--devices-per-process must be at least 1, got 0"),
+    (["--link", "1gbit", "3gb"], "link rate must look like"),
+    (["--netns-prefix", "bad name"], "--netns-prefix"),
+    (["--algorithms", "tree"], "invalid choice: 'tree'"),
+])
+def test_bad_arguments_exit_with_a_message(args, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(args)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def synthetic_rows():
+    rows = []
+    for link, f32, cgx in (("1gbit", 0.8, 0.16), ("none", 0.2, 0.1)):
+        for method, seconds in (("psum f32", f32), ("psum bf16", f32 * 1.1),
+                                ("cgx sra 4b", cgx), ("torch ddp fp16", f32 / 2)):
+            rows.append(dict(link=link, elements=16 << 20, method=method, seconds=seconds,
+                             rel_error=0.0 if method == "psum f32" else 0.2,
+                             wire_promoted_to_f32=method == "psum bf16"))
+    return rows
+
+
+def test_ratios_table_markdown_and_plot(tmp_path):
+    rows = bench.add_ratios(synthetic_rows(), num_participants=4)
+    by = {(r["link"], r["method"]): r for r in rows}
+    assert by[("1gbit", "cgx sra 4b")]["vs_f32"] == pytest.approx(5.0)
+    assert by[("1gbit", "cgx sra 4b")]["vs_bf16"] == pytest.approx(5.5)
+    assert by[("none", "cgx sra 4b")]["vs_f32"] == pytest.approx(2.0)  # per-link baselines
+    # algbw: 2(N-1)/N * 4 bytes * size / time
+    assert by[("1gbit", "psum f32")]["algbw_gb_per_s"] == pytest.approx(
+        1.5 * 4 * (16 << 20) / 0.8 / 1e9)
+    table = bench.format_table(rows)
+    assert "cgx sra 4b" in table and "5.00" in table
+    markdown = bench.format_markdown(rows, "title")
+    assert "| 1gbit | 16M | cgx sra 4b | 160.00 |" in markdown
+    assert "promoted the bf16 all-reduce to f32" in markdown
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "speedup.png"
+    bench.plot(rows, str(path), "title")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_unshaped_run_flat_and_hierarchical(tmp_path):
+    out = tmp_path / "rows.json"
+    done = run_cli("--processes", "2", "--devices-per-process", "2", "--link", "none",
+                   "--sizes", "4096", "--bits", "4", "8", "--algorithms", "sra",
+                   "hierarchical", "--repeats", "1", "--warmup", "0", "--torch", "no",
+                   "--json", str(out))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["processes"] == 2 and result["devices_per_process"] == 2
+    rows = {r["method"]: r for r in result["rows"]}
+    assert sorted(rows) == sorted(["psum f32", "psum bf16", "cgx sra 4b", "cgx sra 8b",
+                                   "cgx hier-sra 4b", "cgx hier-sra 8b"])
+    assert {r["link"] for r in result["rows"]} == {"none"}
+    assert rows["psum f32"]["rel_error"] == 0.0 and rows["psum f32"]["vs_f32"] == 1.0
+    assert 0 < rows["psum bf16"]["rel_error"] < 1e-2
+    # 4 N(0,1) summands, buckets of 1024: one 8-bit SRA is about 1% off, 4-bit about 24%.
+    for method, bound in (("8b", 0.03), ("4b", 0.4)):
+        for algorithm in ("sra", "hier-sra"):
+            assert 0 < rows[f"cgx {algorithm} {method}"]["rel_error"] < bound
+    assert all(r["seconds"] > 0 and r["vs_f32"] > 0 for r in rows.values())
+    # The report can be rebuilt from the JSON alone.
+    markdown = tmp_path / "table.md"
+    again = run_cli("--from-json", str(out), "--markdown", str(markdown))
+    assert again.returncode == 0, again.stderr
+    assert "| none | 4K | cgx hier-sra 4b |" in markdown.read_text()
+
+
+@needs_netns
+def test_network_is_built_carries_traffic_and_is_removed():
+    assert not ours(), f"stale namespaces from an earlier run: {ours()}"
+    network = bench.Network(2, 1e8, "100mbit", subnet=SUBNET, prefix=PREFIX)
+    try:
+        network.create()
+        assert ours() == {f"{PREFIX}0", f"{PREFIX}1", f"{PREFIX}hub"}
+        qdisc = subprocess.run(["ip", "netns", "exec", f"{PREFIX}0", "tc", "qdisc", "show"],
+                               capture_output=True, text=True).stdout
+        assert "tbf" in qdisc and "100Mbit" in qdisc, qdisc
+        with open(f"/etc/netns/{PREFIX}1/hosts") as f:
+            assert f"{SUBNET}.2 " in f.read()
+        # A TCP round trip from namespace 1 to namespace 0's address, through the bridge.
+        server = subprocess.Popen(
+            ["ip", "netns", "exec", f"{PREFIX}0", sys.executable, "-c",
+             "import socket; s = socket.create_server(('" + SUBNET + ".1', 23999)); "
+             "c, _ = s.accept(); c.sendall(c.recv(16))"])
+        try:
+            client = None
+            for _ in range(50):
+                client = subprocess.run(
+                    ["ip", "netns", "exec", f"{PREFIX}1", sys.executable, "-c",
+                     "import socket; c = socket.create_connection(('" + SUBNET + ".1', 23999),"
+                     " timeout=5); c.sendall(b'ping'); print(c.recv(16).decode())"],
+                    capture_output=True, text=True)
+                if client.returncode == 0:
+                    break
+                time.sleep(0.1)
+            assert client.stdout.strip() == "ping", client.stderr
+        finally:
+            server.kill()
+            server.wait()
+        with pytest.raises(RuntimeError, match="exist already"):
+            bench.Network(2, 1e8, "100mbit", subnet=SUBNET, prefix=PREFIX).create()
+    finally:
+        problems = network.remove()
+    assert problems == []
+    assert not ours()
+    assert not os.path.exists(f"/etc/netns/{PREFIX}0")
+
+
+@needs_netns
+def test_shaped_run_removes_the_network_when_workers_time_out():
+    done = run_cli("--processes", "2", "--link", "100mbit", "--sizes", "4096", "--bits", "4",
+                   "--repeats", "1", "--torch", "no", "--timeout", "1",
+                   "--netns-prefix", PREFIX, "--subnet", SUBNET)
+    assert done.returncode == 124, done.stderr[-3000:]
+    assert "timed out" in done.stderr
+    assert not ours()
+
+
+@needs_netns
+def test_shaped_run_removes_the_network_on_sigterm():
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "cgx_jax.bench", "allreduce", "--processes", "2", "--link",
+         "100mbit", "--sizes", "16M", "--repeats", "50", "--torch", "no", "--netns-prefix",
+         PREFIX, "--subnet", SUBNET], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while f"{PREFIX}1" not in ours() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert f"{PREFIX}1" in ours()
+        time.sleep(1.0)  # the workers are starting inside the namespaces
+        process.terminate()
+        _, err = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 130, err[-3000:]
+    assert "interrupted" in err
+    assert not ours()
