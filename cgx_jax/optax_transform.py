@@ -34,7 +34,7 @@ class CompressedAllReduceState(NamedTuple):
 
 
 def compressed_allreduce(axis_name, *, policy: LayerPolicy | None = None, mean: bool = True,
-                         error_feedback: bool = False, seed: int = 0, algorithm: str = "sra",
+                         error_feedback: bool = False, seed: int = 0, algorithm: str = "auto",
                          backend: str = "ffi",
                          adaptive: adaptive_lib.AdaptiveConfig | None = None
                          ) -> optax.GradientTransformation:

@@ -164,10 +164,13 @@ def test_grad_through_ring_is_a_psum():
 def test_auto_is_allgather_for_two_and_sra_beyond(num_devices, same_as):
     codec = cgx.Codec(bits=4, bucket_size=64)
     inputs = jax.random.normal(jax.random.key(6), (num_devices, 1000))
+    kwargs = lambda algorithm: {} if algorithm is None else {"algorithm": algorithm}
     run = lambda algorithm: np.asarray(run_sharded(
         lambda x: cgx.compressed_psum(x, "batch", codec=codec, key=jax.random.key(2),
-                                      algorithm=algorithm), inputs, num_devices))
+                                      **kwargs(algorithm)), inputs, num_devices))
     np.testing.assert_array_equal(run("auto"), run(same_as))
+    np.testing.assert_array_equal(run(None), run(same_as))  # "auto" is the default
+    assert not np.array_equal(run("allgather"), run("sra"))  # the choice is visible
 
 
 # ---------------------------------------------------------------------------
