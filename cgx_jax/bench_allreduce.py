@@ -17,8 +17,11 @@ propagation, timeout); each runs this module's worker (``--worker``), which call
 :func:`cgx_jax.launch.initialize`, builds a 1-D mesh over one CPU device per process and
 measures, per size, the median over ``--repeats`` blocking calls (after warm-up) of
 ``lax.psum`` f32, ``lax.psum`` after a bf16 cast, and ``compressed_psum`` for every bits x
-algorithm, with the relative L2 error against the f32 psum. Rank 0 writes the rows as JSON;
-the orchestrator prints the table and writes ``--json`` / ``--markdown``.
+algorithm, with the relative L2 error against the f32 psum. ``--algorithms sra-wire`` adds,
+per bits, SRA's two collectives (``all_to_all`` + ``all_gather``) on packets of the same
+bytes with no encoding, decoding or reduction: the network's share of ``cgx sra``. Rank 0
+writes the rows as JSON; the orchestrator prints the table and writes ``--json`` /
+``--markdown`` / ``--plot``.
 
 Effective algorithm bandwidth ("algbw") is ``2(N-1)/N * 4 * size`` bytes divided by the time:
 what an f32 ring all-reduce would need to move per process, so it is comparable across methods
@@ -28,6 +31,7 @@ what an f32 ring all-reduce would need to move per process, so it is comparable 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
@@ -242,6 +246,23 @@ def _worker(args) -> None:
     def own_row(array):
         return np.asarray(array.addressable_shards[0].data[0], np.float32)
 
+    def wire_only(codec, size):
+        """SRA's collectives on packets of its byte count, nothing encoded or decoded."""
+        from cgx_jax.codec import packet_bytes
+        from cgx_jax.collectives import padding_multiple
+
+        multiple = padding_multiple("sra", codec, n)
+        chunk = packet_bytes(-(-size // multiple) * multiple // n, codec)
+
+        def body(v):
+            raw = jax.lax.bitcast_convert_type(v, jnp.uint8).reshape(-1)
+            raw = jnp.resize(raw, n * chunk).reshape(n, chunk)  # stands in for the packets
+            pieces = jax.lax.all_to_all(raw, axes, 0, 0, tiled=True)
+            # XOR of the received pieces stands in for the reduction (uses every piece).
+            own = functools.reduce(jnp.bitwise_xor, list(pieces))
+            return jax.lax.all_gather(own, axes, tiled=True)
+        return body
+
     def compressed(codec, algorithm):
         if algorithm == "hierarchical":
             return lambda v: cgx.compressed_psum(v, "proc", codec=codec, key=jax.random.key(0),
@@ -268,6 +289,10 @@ def _worker(args) -> None:
             for bits in args.bits:
                 codec = cgx.Codec(bits=bits, bucket_size=args.bucket_size,
                                   rounding=args.rounding)
+                if algorithm == "sra-wire":
+                    methods.append((f"wire sra {bits}b", algorithm, bits,
+                                    wire_only(codec, size)))
+                    continue
                 label = "hier-sra" if algorithm == "hierarchical" else algorithm
                 methods.append((f"cgx {label} {bits}b", algorithm, bits,
                                 compressed(codec, algorithm)))
@@ -286,6 +311,8 @@ def _worker(args) -> None:
             if reference is None:
                 reference = row_out
                 error = 0.0
+            elif algorithm == "sra-wire":
+                error = None  # its output is bytes, not a sum
             else:
                 error = float(np.linalg.norm(row_out - reference) / np.linalg.norm(reference))
             rows.append(dict(elements=size, method=name, algorithm=algorithm, bits=bits,
@@ -293,7 +320,7 @@ def _worker(args) -> None:
                              wire_promoted_to_f32=promoted))
             if rank == 0:
                 print(f"  {size_label(size):>5} {name:<16} {seconds * 1e3:10.2f} ms  "
-                      f"rel err {error:.3e}", flush=True)
+                      f"rel err {_error_text(error, '.3e')}", flush=True)
         del x, reference
     if rank == 0:
         with open(args.out, "w") as f:
@@ -415,6 +442,10 @@ def add_ratios(rows: list[dict], num_participants: int) -> list[dict]:
     return out
 
 
+def _error_text(error, spec: str) -> str:
+    return "-" if error is None else format(error, spec)
+
+
 def format_table(rows: list[dict]) -> str:
     header = (f"{'link':<8} {'size':>6} {'method':<18} {'ms':>10} {'algbw GB/s':>11} "
               f"{'x f32':>7} {'x bf16':>7} {'rel err':>9}")
@@ -422,7 +453,8 @@ def format_table(rows: list[dict]) -> str:
     for r in rows:
         lines.append(f"{r.get('link', ''):<8} {size_label(r['elements']):>6} {r['method']:<18} "
                      f"{r['seconds'] * 1e3:>10.2f} {r['algbw_gb_per_s']:>11.3f} "
-                     f"{r['vs_f32']:>7.2f} {r['vs_bf16']:>7.2f} {r['rel_error']:>9.2e}")
+                     f"{r['vs_f32']:>7.2f} {r['vs_bf16']:>7.2f} "
+                     f"{_error_text(r['rel_error'], '.2e'):>9}")
     return "\n".join(lines)
 
 
@@ -438,7 +470,8 @@ def format_markdown(rows: list[dict], title: str) -> str:
     for r in rows:
         lines.append(f"| {r.get('link', '')} | {size_label(r['elements'])} | {r['method']} "
                      f"| {r['seconds'] * 1e3:.2f} | {r['algbw_gb_per_s']:.3f} "
-                     f"| {r['vs_f32']:.2f} | {r['vs_bf16']:.2f} | {r['rel_error']:.2e} |")
+                     f"| {r['vs_f32']:.2f} | {r['vs_bf16']:.2f} "
+                     f"| {_error_text(r['rel_error'], '.2e')} |")
     return "\n".join(lines) + "\n"
 
 
@@ -459,7 +492,7 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     methods = [m for m in dict.fromkeys(r["method"] for r in rows) if m != "psum f32"]
     fig, axes = plt.subplots(1, len(sizes), figsize=(4.2 * len(sizes) + 1.8, 4.2),
                              sharey=True, squeeze=False)
-    styles = {"cgx": "-", "psum": "--", "torch": ":"}
+    styles = {"cgx": "-", "psum": "--", "torch": ":", "wire": "-."}
     for ax, size in zip(axes[0], sizes):
         for method in methods:
             points = {r["link"]: r["vs_f32"] for r in rows
@@ -518,7 +551,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="gradient sizes in f32 elements: 1M 16M 64M (default 1M 16M)")
     p.add_argument("--bits", type=int, nargs="+", default=[2, 4, 8])
     p.add_argument("--algorithms", nargs="+", default=["sra"],
-                   choices=["sra", "ring", "allgather", "auto", "hierarchical"])
+                   choices=["sra", "ring", "allgather", "auto", "hierarchical", "sra-wire"],
+                   help="compressed_psum algorithms to time; hierarchical: exact inside a "
+                        "process, SRA across; sra-wire: SRA's collectives on the same bytes "
+                        "without encoding (the network's share)")
     p.add_argument("--bucket-size", type=int, default=1024)
     p.add_argument("--rounding", default="stochastic", choices=["stochastic", "nearest"])
     p.add_argument("--repeats", type=int, default=5)

@@ -102,14 +102,16 @@ def test_unshaped_run_flat_and_hierarchical(tmp_path):
     out = tmp_path / "rows.json"
     done = run_cli("--processes", "2", "--devices-per-process", "2", "--link", "none",
                    "--sizes", "4096", "--bits", "4", "8", "--algorithms", "sra",
-                   "hierarchical", "--repeats", "1", "--warmup", "0", "--torch", "no",
-                   "--json", str(out))
+                   "hierarchical", "sra-wire", "--repeats", "1", "--warmup", "0",
+                   "--torch", "no", "--json", str(out))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["processes"] == 2 and result["devices_per_process"] == 2
     rows = {r["method"]: r for r in result["rows"]}
     assert sorted(rows) == sorted(["psum f32", "psum bf16", "cgx sra 4b", "cgx sra 8b",
-                                   "cgx hier-sra 4b", "cgx hier-sra 8b"])
+                                   "cgx hier-sra 4b", "cgx hier-sra 8b", "wire sra 4b",
+                                   "wire sra 8b"])
+    assert rows["wire sra 4b"]["rel_error"] is None  # bytes only, no sum to compare
     assert {r["link"] for r in result["rows"]} == {"none"}
     assert rows["psum f32"]["rel_error"] == 0.0 and rows["psum f32"]["vs_f32"] == 1.0
     assert 0 < rows["psum bf16"]["rel_error"] < 1e-2
@@ -123,6 +125,8 @@ def test_unshaped_run_flat_and_hierarchical(tmp_path):
     again = run_cli("--from-json", str(out), "--markdown", str(markdown))
     assert again.returncode == 0, again.stderr
     assert "| none | 4K | cgx hier-sra 4b |" in markdown.read_text()
+    assert "| none | 4K | wire sra 8b |" in markdown.read_text()
+    assert again.stdout.count("\n") > len(rows)  # the text table is printed too
 
 
 @needs_netns
