@@ -38,13 +38,14 @@ import re
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 
+from cgx_jax.netem import Network, can_shape, parse_rate, valid_prefix
+
 NS_PREFIX = "cgxbench"
-BRIDGE = "cgxbr0"
 PORT = 23456
 
 _SUFFIXES = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
@@ -65,132 +66,6 @@ def size_label(size: int) -> str:
         if size % _SUFFIXES[suffix] == 0:
             return f"{size // _SUFFIXES[suffix]}{suffix}"
     return str(size)
-
-
-def parse_rate(text: str) -> float | None:
-    """tc rate (``1gbit``, ``100mbit``, ``500kbit``) -> bits per second; ``none`` -> None."""
-    if text.lower() in ("none", "unshaped", "0"):
-        return None
-    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([kmg]?)bit", text.lower())
-    if not m:
-        raise argparse.ArgumentTypeError(
-            f"link rate must look like 1gbit, 10gbit, 100mbit, or none: {text!r}")
-    return float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m.group(2)]
-
-
-# --------------------------------------------------------------------------- topology
-
-def _ip(*args: str, ns: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
-    cmd = (["ip", "netns", "exec", ns] if ns else []) + list(args)
-    result = subprocess.run(cmd, capture_output=True, text=True)
-    if check and result.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed: {result.stderr.strip()}")
-    return result
-
-
-class Network:
-    """The namespaces, bridge, veth pairs, tc qdiscs and hosts files of one run; ``remove()``
-    deletes exactly what ``create()`` made (idempotent)."""
-
-    def __init__(self, num_processes: int, rate_bps: float, rate_text: str,
-                 subnet: str = "10.213.0", prefix: str = NS_PREFIX):
-        self.n = num_processes
-        self.rate_bps, self.rate_text = rate_bps, rate_text
-        self.subnet = subnet
-        self.prefix = prefix
-        self.hub = prefix + "hub"
-        self.namespaces: list[str] = []
-        self.etc_dirs: list[str] = []
-        self.made_etc_netns = False
-
-    def address(self, rank: int) -> str:
-        return f"{self.subnet}.{rank + 1}"
-
-    def namespace(self, rank: int) -> str:
-        return f"{self.prefix}{rank}"
-
-    def _tbf(self, dev: str, ns: str) -> None:
-        # Burst: at least one timer tick of traffic at 250 Hz, and no less than 32 KiB.
-        burst = max(int(self.rate_bps / 8 / 250), 32 * 1024)
-        _ip("tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", self.rate_text,
-            "burst", str(burst), "latency", "100ms", ns=ns)
-
-    def create(self) -> None:
-        existing = set(line.split()[0] for line in
-                       _ip("ip", "netns", "list").stdout.splitlines() if line.strip())
-        wanted = [self.hub] + [self.namespace(r) for r in range(self.n)]
-        clash = [ns for ns in wanted if ns in existing]
-        if clash:
-            raise RuntimeError(
-                f"network namespaces {clash} exist already (another benchmark running, or a "
-                f"killed one): remove them with `ip netns del NAME` and "
-                f"`rm -r /etc/netns/NAME` if they are stale")
-        hostname = socket.gethostname()
-        self.made_etc_netns = not os.path.isdir("/etc/netns")
-        hub = self.hub
-        _ip("ip", "netns", "add", hub)
-        self.namespaces.append(hub)
-        _ip("ip", "link", "set", "lo", "up", ns=hub)
-        _ip("ip", "link", "add", BRIDGE, "type", "bridge", ns=hub)
-        _ip("ip", "link", "set", BRIDGE, "up", ns=hub)
-        for rank in range(self.n):
-            ns = self.namespace(rank)
-            etc = f"/etc/netns/{ns}"
-            os.makedirs(etc, exist_ok=True)
-            self.etc_dirs.append(etc)
-            with open(os.path.join(etc, "hosts"), "w") as f:
-                f.write(f"127.0.0.1 localhost\n{self.address(rank)} {hostname}\n")
-            _ip("ip", "netns", "add", ns)
-            self.namespaces.append(ns)
-            inner, outer = f"cgxv{rank}", f"cgxp{rank}"
-            # Both ends are created directly inside their namespaces: nothing appears in
-            # the host's own namespace.
-            _ip("ip", "link", "add", inner, "netns", ns, "type", "veth",
-                "peer", "name", outer, "netns", hub, ns=hub)
-            _ip("ip", "link", "set", outer, "master", BRIDGE, ns=hub)
-            _ip("ip", "link", "set", outer, "up", ns=hub)
-            _ip("ip", "link", "set", "lo", "up", ns=ns)
-            _ip("ip", "addr", "add", f"{self.address(rank)}/24", "dev", inner, ns=ns)
-            _ip("ip", "link", "set", inner, "up", ns=ns)
-            self._tbf(inner, ns)
-            self._tbf(outer, hub)
-
-    def remove(self) -> list[str]:
-        """Deletes the namespaces (which deletes their veths, bridge and qdiscs) and the
-        hosts files; returns the problems met (empty when all went)."""
-        problems = []
-        for ns in reversed(self.namespaces):
-            r = _ip("ip", "netns", "del", ns, check=False)
-            if r.returncode != 0:
-                problems.append(f"ip netns del {ns}: {r.stderr.strip()}")
-        self.namespaces = []
-        for etc in self.etc_dirs:
-            shutil.rmtree(etc, ignore_errors=True)
-            if os.path.exists(etc):
-                problems.append(f"could not remove {etc}")
-        self.etc_dirs = []
-        if self.made_etc_netns:
-            try:
-                os.rmdir("/etc/netns")  # only when this run created it and it is empty
-            except OSError:
-                pass
-            self.made_etc_netns = False
-        return problems
-
-
-def can_shape() -> tuple[bool, str]:
-    """Whether this process may build the namespaces: root, ``ip`` and ``tc`` present, and a
-    probe namespace can be added and deleted (containers often lack the capability)."""
-    if os.geteuid() != 0:
-        return False, "not root"
-    if shutil.which("ip") is None or shutil.which("tc") is None:
-        return False, "`ip` or `tc` not found"
-    probe = f"cgxprobe{os.getpid()}"
-    r = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
-    if r.returncode != 0:
-        return False, f"`ip netns add` failed: {r.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True, text=True)
-    return True, ""
 
 
 # --------------------------------------------------------------------------- worker
@@ -493,6 +368,7 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     fig, axes = plt.subplots(1, len(sizes), figsize=(4.2 * len(sizes) + 1.8, 4.2),
                              sharey=True, squeeze=False)
     styles = {"cgx": "-", "psum": "--", "torch": ":", "wire": "-."}
+    colors = plt.get_cmap("tab20")  # up to 20 methods, each its own color
     for ax, size in zip(axes[0], sizes):
         for method in methods:
             points = {r["link"]: r["vs_f32"] for r in rows
@@ -501,7 +377,8 @@ def plot(rows: list[dict], path: str, title: str) -> None:
             if not xs:
                 continue
             ax.plot(xs, [points[links[i]] for i in xs], styles[method.split()[0]],
-                    marker="o", markersize=3.5, label=method)
+                    color=colors(methods.index(method) % 20), marker="o", markersize=3.5,
+                    label=method)
         ax.axhline(1.0, color="gray", linestyle=":", linewidth=1)
         ax.set_xticks(range(len(links)), [
             "unshaped" if parse_rate(link) is None else link for link in links])
@@ -511,7 +388,7 @@ def plot(rows: list[dict], path: str, title: str) -> None:
         ax.grid(True, which="both", alpha=0.3)
     axes[0][0].set_ylabel("speedup over lax.psum f32")
     axes[0][-1].legend(loc="center left", bbox_to_anchor=(1.02, 0.5), fontsize=8)
-    fig.suptitle(title, fontsize=9)
+    fig.suptitle(textwrap.fill(title, 160), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -621,20 +498,19 @@ def _run_link(args, link: str, use_torch: bool, tmp: str) -> tuple[int, list[dic
             coordinator = f"{network.address(0)}:{PORT}"
             torch_coordinator = f"{network.address(0)}:{PORT + 1}"
             # Every rank's command runs in its own namespace; launch() sets the rank.
-            wrapper = ["sh", "-c",
-                       f'exec ip netns exec {network.prefix}"$CGX_JAX_PROCESS_ID" "$@"', "sh"]
+            wrap = network.wrap
         else:
             coordinator, torch_coordinator = None, f"127.0.0.1:{free_port()}"
-            wrapper = []
+            wrap = list
         print(f"# all-reduce across {args.processes} processes x {args.devices_per_process} "
               f"CPU devices, {link_text}; median of {args.repeats} after {args.warmup} "
               f"warm-up, bucket {args.bucket_size}, {args.rounding} rounding", flush=True)
-        code = launch(wrapper + _worker_arguments(args, out, coordinator), args.processes,
+        code = launch(wrap(_worker_arguments(args, out, coordinator)), args.processes,
                       args.devices_per_process, timeout=args.timeout)
         if code == 0 and use_torch:
             print("# PyTorch DDP (gloo) in the same network", flush=True)
-            torch_code = launch(wrapper + _worker_arguments(args, torch_out, torch_coordinator,
-                                                            "--torch-worker"),
+            torch_code = launch(wrap(_worker_arguments(args, torch_out, torch_coordinator,
+                                                       "--torch-worker")),
                                 args.processes, 1, timeout=args.timeout)
             if torch_code != 0:
                 print(f"cgx_jax.bench allreduce: the PyTorch run failed (exit code "
@@ -724,7 +600,7 @@ def main(argv=None) -> int:
         parser.error(f"--processes must be at least 2, got {args.processes}")
     if args.devices_per_process < 1:
         parser.error(f"--devices-per-process must be at least 1, got {args.devices_per_process}")
-    if not re.fullmatch(r"[A-Za-z][A-Za-z0-9_-]{0,9}", args.netns_prefix):
+    if not valid_prefix(args.netns_prefix):
         parser.error(f"--netns-prefix must be a letter and up to 9 letters, digits, _ or -, "
                      f"got {args.netns_prefix!r}")
     for link in args.link:

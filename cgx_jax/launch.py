@@ -3,7 +3,7 @@ through Gloo), for tests, examples and benchmarks of multi-process data parallel
 
 Usage::
 
-    python -m cgx_jax.launch -n 4 [--devices-per-process 2] [--timeout 600] -- \\
+    python -m cgx_jax.launch -n 4 [--devices-per-process 2] [--timeout 600] [--link 1gbit] -- \\
         python train.py --steps 100
 
 Every process gets ``CGX_JAX_COORDINATOR`` (``127.0.0.1:PORT``, a free port),
@@ -21,6 +21,13 @@ stderr). When a process exits non-zero, the launcher stops the others (SIGTERM t
 process groups, SIGKILL after ``--grace`` seconds), says which rank failed with which exit
 code and exits non-zero itself (the failed rank's code, 128+signal for a signal); after
 ``--timeout`` seconds it stops everything and exits 124. It never waits on a hung peer.
+SIGTERM, SIGHUP and Ctrl-C stop every process too (exit code 130).
+
+``--link RATE`` (``1gbit``, ``100mbit``, ...; root only) runs each process in its own network
+namespace joined to the others by a link of that rate (``cgx_jax.netem``; the coordinator
+listens on rank 0's address there) and removes the namespaces afterwards, also on failure
+and interruption. Without root, or where namespaces cannot be made, it says so and runs
+unshaped on loopback.
 
 Real clusters: do not use this launcher. Start one process per host (or per accelerator)
 with the cluster's own tool (``srun`` on SLURM, ``mpirun``/``mpiexec`` with Open MPI, one
@@ -39,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -114,13 +122,13 @@ def free_port() -> int:
 
 
 def child_environment(rank: int, num_processes: int, devices_per_process: int, port: int,
-                      base=None) -> dict:
+                      base=None, host: str = "127.0.0.1") -> dict:
     env = dict(os.environ if base is None else base)
     flags = [f for f in env.get("XLA_FLAGS", "").split()
              if not f.startswith("--xla_force_host_platform_device_count")]
     flags.append(f"--xla_force_host_platform_device_count={devices_per_process}")
     env.update({
-        ENV_COORDINATOR: f"127.0.0.1:{port}",
+        ENV_COORDINATOR: f"{host}:{port}",
         ENV_NUM_PROCESSES: str(num_processes),
         ENV_PROCESS_ID: str(rank),
         ENV_LOCAL_DEVICES: str(devices_per_process),
@@ -186,9 +194,19 @@ def _describe(returncode: int) -> str:
 
 def launch(command, num_processes: int, devices_per_process: int = 1, *,
            timeout: float | None = None, grace: float = 5.0, port: int | None = None,
-           stdout=None, stderr=None) -> int:
+           stdout=None, stderr=None, link: str | None = None, netns_prefix: str = "cgxlaunch",
+           subnet: str = "10.213.1") -> int:
     """Runs ``command`` (a list) as ``num_processes`` processes; returns the exit code the
-    launcher exits with (0 when every process exited 0)."""
+    launcher exits with (0 when every process exited 0). ``link``: a tc rate such as
+    ``"1gbit"`` to run them on an emulated network (``cgx_jax.netem``), ``None`` or
+    ``"none"`` for loopback.
+
+    Example:
+        >>> import sys
+        >>> from cgx_jax.launch import launch
+        >>> launch([sys.executable, "-c", "print('hello')"], 2)  # doctest: +SKIP
+        0
+    """
     stdout = sys.stdout if stdout is None else stdout
     stderr = sys.stderr if stderr is None else stderr
     port = free_port() if port is None else port
@@ -199,11 +217,28 @@ def launch(command, num_processes: int, devices_per_process: int = 1, *,
             stderr.write(f"cgx_jax.launch: {message}\n")
             stderr.flush()
 
+    network, host = None, "127.0.0.1"
+    if link is not None:
+        from cgx_jax import netem
+        rate = netem.parse_rate(link)
+        if rate is not None:
+            ok, why = netem.can_shape()
+            if ok:
+                network = netem.Network(num_processes, rate, link, subnet, netns_prefix)
+            else:
+                say(f"WARNING: cannot emulate a {link} link ({why}); running UNSHAPED on "
+                    f"loopback")
     processes, forwarders = [], []
     try:
+        if network is not None:
+            network.create()
+            host, command = network.address(0), network.wrap(command)
+            say(f"{num_processes} processes in network namespaces {netns_prefix}0.., "
+                f"{link} links; coordinator {host}:{port}")
         for rank in range(num_processes):
             process = subprocess.Popen(
-                command, env=child_environment(rank, num_processes, devices_per_process, port),
+                command, env=child_environment(rank, num_processes, devices_per_process, port,
+                                               host=host),
                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                 start_new_session=True)
             processes.append(process)
@@ -239,7 +274,14 @@ def launch(command, num_processes: int, devices_per_process: int = 1, *,
         _stop(processes, grace)
         for forwarder in forwarders:
             forwarder.join(timeout=2.0)
+        if network is not None:
+            for problem in network.remove():
+                say(f"cleanup problem: {problem}")
     return code
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def main(argv=None) -> int:
@@ -256,7 +298,14 @@ def main(argv=None) -> int:
     parser.add_argument("--grace", type=float, default=5.0,
                         help="seconds between SIGTERM and SIGKILL when stopping (default 5)")
     parser.add_argument("--port", type=int, default=None,
-                        help="coordinator port on 127.0.0.1 (default: a free one)")
+                        help="coordinator port (default: a free one)")
+    parser.add_argument("--link", default=None,
+                        help="emulate links of this tc rate between the processes (1gbit, "
+                             "100mbit, ...; root only, else unshaped with a warning)")
+    parser.add_argument("--netns-prefix", default="cgxlaunch",
+                        help="names of --link's network namespaces: PREFIX0.. and PREFIXhub")
+    parser.add_argument("--subnet", default="10.213.1",
+                        help="first three octets of the private /24 used by --link")
     parser.add_argument("command", nargs=argparse.REMAINDER,
                         help="the command to run, after --")
     args = parser.parse_args(argv)
@@ -267,8 +316,22 @@ def main(argv=None) -> int:
         parser.error(f"-n must be at least 1, got {args.num_processes}")
     if args.devices_per_process < 1:
         parser.error(f"--devices-per-process must be at least 1, got {args.devices_per_process}")
+    if args.link is not None:
+        from cgx_jax import netem
+        try:
+            netem.parse_rate(args.link)
+        except argparse.ArgumentTypeError as e:
+            parser.error(f"argument --link: {e}")
+        if not netem.valid_prefix(args.netns_prefix):
+            parser.error(f"--netns-prefix must be a letter and up to 9 letters, digits, _ or "
+                         f"-, got {args.netns_prefix!r}")
+        if not re.fullmatch(r"\d{1,3}\.\d{1,3}\.\d{1,3}", args.subnet):
+            parser.error(f"--subnet must be three octets such as 10.213.1, got {args.subnet!r}")
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _interrupt)  # stop the processes and remove the network
     return launch(command, args.num_processes, args.devices_per_process,
-                  timeout=args.timeout, grace=args.grace, port=args.port)
+                  timeout=args.timeout, grace=args.grace, port=args.port, link=args.link,
+                  netns_prefix=args.netns_prefix, subnet=args.subnet)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import time
 import pytest
 
 from cgx_jax import bench_allreduce as bench
+from cgx_jax import netem
 
 PREFIX = "cgxtest"  # not the benchmark's default, so a benchmark running meanwhile is safe
 SUBNET = "10.213.77"
@@ -35,8 +36,8 @@ def ours():
     return {ns for ns in namespaces() if ns.startswith(PREFIX)}
 
 
-needs_netns = pytest.mark.skipif(not bench.can_shape()[0],
-                                 reason=f"network namespaces unavailable: {bench.can_shape()[1]}")
+needs_netns = pytest.mark.skipif(not netem.can_shape()[0],
+                                 reason=f"network namespaces unavailable: {netem.can_shape()[1]}")
 
 
 def test_parse_size_and_rate():
@@ -44,11 +45,11 @@ def test_parse_size_and_rate():
         4096, 65536, 1 << 20, 16 << 20]
     assert [bench.size_label(s) for s in (4096, 65536, 1 << 20, 3000)] == [
         "4K", "64K", "1M", "3000"]
-    assert bench.parse_rate("1gbit") == 1e9
-    assert bench.parse_rate("100mbit") == 1e8
-    assert bench.parse_rate("none") is None
+    assert netem.parse_rate("1gbit") == 1e9
+    assert netem.parse_rate("100mbit") == 1e8
+    assert netem.parse_rate("none") is None
     for bad, parse in (("16 MB", bench.parse_size), ("-1", bench.parse_size),
-                       ("1gb", bench.parse_rate), ("fast", bench.parse_rate)):
+                       ("1gb", netem.parse_rate), ("fast", netem.parse_rate)):
         with pytest.raises(argparse.ArgumentTypeError, match=repr(bad)):
             parse(bad)
 
@@ -132,7 +133,7 @@ def test_unshaped_run_flat_and_hierarchical(tmp_path):
 @needs_netns
 def test_network_is_built_carries_traffic_and_is_removed():
     assert not ours(), f"stale namespaces from an earlier run: {ours()}"
-    network = bench.Network(2, 1e8, "100mbit", subnet=SUBNET, prefix=PREFIX)
+    network = netem.Network(2, 1e8, "100mbit", subnet=SUBNET, prefix=PREFIX)
     try:
         network.create()
         assert ours() == {f"{PREFIX}0", f"{PREFIX}1", f"{PREFIX}hub"}
@@ -162,7 +163,7 @@ def test_network_is_built_carries_traffic_and_is_removed():
             server.kill()
             server.wait()
         with pytest.raises(RuntimeError, match="exist already"):
-            bench.Network(2, 1e8, "100mbit", subnet=SUBNET, prefix=PREFIX).create()
+            netem.Network(2, 1e8, "100mbit", subnet=SUBNET, prefix=PREFIX).create()
     finally:
         problems = network.remove()
     assert problems == []

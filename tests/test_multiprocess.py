@@ -2,8 +2,10 @@
 127.0.0.1, CPU collectives through Gloo) equals the single-process result on simulated
 devices bitwise, for every algorithm; a failing process stops the launch quickly."""
 
+import io
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -13,15 +15,17 @@ import numpy as np
 import pytest
 
 import multiprocess_worker as worker
+from cgx_jax import launch as launcher
+from cgx_jax import netem
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "multiprocess_worker.py")
 
 
-def launch(num_processes, devices_per_process, out_dir, mode, timeout=120):
+def launch(num_processes, devices_per_process, out_dir, mode, timeout=120, extra=()):
     command = [sys.executable, "-m", "cgx_jax.launch", "-n", str(num_processes),
                "--devices-per-process", str(devices_per_process), "--timeout", str(timeout - 10),
-               "--grace", "2", "--", sys.executable, WORKER, str(out_dir), mode]
+               "--grace", "2", *extra, "--", sys.executable, WORKER, str(out_dir), mode]
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)  # the launcher sets the device count of each process
     start = time.monotonic()
@@ -130,3 +134,78 @@ def test_launcher_environment_prefix_and_timeout():
                 and "--xla_force_host_platform_device_count=2" in done.stdout)
         assert f"[rank {rank}] oops" in done.stderr
     assert "timed out after 2 s; ranks still running: [1]" in done.stderr
+
+
+# ---------------------------------------------------------------------------------- --link
+NETNS_PREFIX = "cgxtl"  # not the launcher's default, so a launch running meanwhile is safe
+LINK_ARGS = ("--link", "1gbit", "--netns-prefix", NETNS_PREFIX, "--subnet", "10.213.78")
+needs_netns = pytest.mark.skipif(not netem.can_shape()[0],
+                                 reason=f"network namespaces unavailable: {netem.can_shape()[1]}")
+
+
+def link_namespaces():
+    listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return {line.split()[0] for line in listing.splitlines()
+            if line.strip().startswith(NETNS_PREFIX)}
+
+
+@needs_netns
+def test_link_runs_each_process_in_its_namespace_bitwise(tmp_path):
+    assert not link_namespaces(), f"stale namespaces: {link_namespaces()}"
+    done, _ = launch(2, 1, tmp_path, "flat", extra=LINK_ARGS)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert f"network namespaces {NETNS_PREFIX}0.., 1gbit links; coordinator 10.213.78.1:" in (
+        done.stderr)
+    assert_bitwise_equal(gather(tmp_path, 2), single_process(2))
+    assert not link_namespaces()
+
+
+@needs_netns
+def test_link_process_sees_its_own_address():
+    done = subprocess.run(
+        [sys.executable, "-m", "cgx_jax.launch", "-n", "2", *LINK_ARGS, "--",
+         "sh", "-c", "getent hosts $(hostname)"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    for rank in range(2):  # Gloo binds to what the host name resolves to
+        assert f"[rank {rank}] 10.213.78.{rank + 1} " in done.stdout
+    assert not link_namespaces()
+
+
+@needs_netns
+def test_link_sigterm_stops_processes_and_removes_network():
+    process = subprocess.Popen(
+        [sys.executable, "-m", "cgx_jax.launch", "-n", "2", "--grace", "1", *LINK_ARGS, "--",
+         "sleep", "60"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while len(link_namespaces()) < 3 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert len(link_namespaces()) == 3  # two ranks and the hub
+    time.sleep(0.5)
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=30)
+    assert process.returncode == 130, stderr
+    assert "interrupted; stopping all processes" in stderr
+    assert not link_namespaces()
+
+
+def test_link_without_namespaces_runs_unshaped_and_says_so(monkeypatch):
+    monkeypatch.setattr(netem, "can_shape", lambda: (False, "not root"))
+    out, err = io.StringIO(), io.StringIO()
+    code = launcher.launch([sys.executable, "-c", "print('hi')"], 2, link="1gbit",
+                           stdout=out, stderr=err)
+    assert code == 0
+    assert "cannot emulate a 1gbit link (not root); running UNSHAPED on loopback" in (
+        err.getvalue())
+    assert "[rank 0] hi" in out.getvalue() and "[rank 1] hi" in out.getvalue()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--link", "fast"], "link rate must look like 1gbit"),
+    (["--link", "1gbit", "--netns-prefix", "a b"], "--netns-prefix must be a letter"),
+    (["--link", "1gbit", "--subnet", "10.1"], "--subnet must be three octets"),
+])
+def test_link_bad_arguments(capsys, args, message):
+    with pytest.raises(SystemExit) as e:
+        launcher.main(["-n", "2", *args, "--", "true"])
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
