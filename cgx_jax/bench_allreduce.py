@@ -1,20 +1,17 @@
 """All-reduce bandwidth benchmark across real processes on an emulated network:
 ``python -m cgx_jax.bench allreduce --processes 4 --link 1gbit [--sizes 1M 16M] ...``.
 
-Topology (root only; DESIGN.md section 6): one network namespace per process
-(``cgxbench0`` ... ``cgxbench{N-1}``) plus a hub namespace ``cgxbenchhub`` holding a bridge;
-each process namespace is joined to the bridge by a veth pair whose two ends are shaped with
-``tc ... tbf rate RATE`` (the process's egress, and the switch port's egress towards it, like a
-full-duplex link of that rate). Addresses are private (``10.213.0.0/24`` by default, rank i at
-``.(i+1)``) and exist only inside these namespaces. Gloo binds to the address the host name
-resolves to, so each namespace gets ``/etc/netns/cgxbenchI/hosts`` mapping the host name to its
-veth address; the coordinator listens on rank 0's veth address. Everything is removed afterwards,
-also on failure, Ctrl-C and SIGTERM. Without root (or when ``ip netns`` fails), or with
+Topology (root only; ``cgx_jax.netem``, DESIGN.md section 6): one network namespace per
+process (``cgxbench0`` ... ``cgxbench{N-1}``, ``--netns-prefix``) joined through a bridge by
+veth links shaped with ``tc tbf`` in both directions, private addresses (``10.213.0.0/24`` by
+default) that exist only inside these namespaces, and hosts files so Gloo binds to the veth
+address; the coordinator listens on rank 0's address. Everything is removed afterwards, also
+on failure, Ctrl-C and SIGTERM. Without root (or when ``ip netns`` fails), or with
 ``--link none``, the processes run unshaped on loopback and the report says so.
 
 Processes are started through :func:`cgx_jax.launch.launch` (rank-prefixed output, failure
 propagation, timeout); each runs this module's worker (``--worker``), which calls
-:func:`cgx_jax.launch.initialize`, builds a 1-D mesh over one CPU device per process and
+:func:`cgx_jax.launch.initialize`, builds a (processes, devices per process) mesh and
 measures, per size, the median over ``--repeats`` blocking calls (after warm-up) of
 ``lax.psum`` f32, ``lax.psum`` after a bf16 cast, and ``compressed_psum`` for every bits x
 algorithm, with the relative L2 error against the f32 psum. ``--algorithms sra-wire`` adds,

@@ -31,8 +31,6 @@ def parse_rate(text: str) -> float | None:
     return float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m.group(2)]
 
 
-
-
 def _ip(*args: str, ns: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
     cmd = (["ip", "netns", "exec", ns] if ns else []) + list(args)
     result = subprocess.run(cmd, capture_output=True, text=True)
@@ -80,7 +78,7 @@ class Network:
         clash = [ns for ns in wanted if ns in existing]
         if clash:
             raise RuntimeError(
-                f"network namespaces {clash} exist already (another benchmark running, or a "
+                f"network namespaces {clash} exist already (another run using them, or a "
                 f"killed one): remove them with `ip netns del NAME` and "
                 f"`rm -r /etc/netns/NAME` if they are stale")
         hostname = socket.gethostname()
