@@ -40,7 +40,7 @@ import tempfile
 import textwrap
 import time
 
-from cgx_jax.netem import Network, can_shape, parse_rate, valid_prefix
+from cgx_jax.netem import Network, argument_problem, can_shape, parse_rate
 
 NS_PREFIX = "cgxbench"
 PORT = 23456
@@ -597,14 +597,9 @@ def main(argv=None) -> int:
         parser.error(f"--processes must be at least 2, got {args.processes}")
     if args.devices_per_process < 1:
         parser.error(f"--devices-per-process must be at least 1, got {args.devices_per_process}")
-    if not valid_prefix(args.netns_prefix):
-        parser.error(f"--netns-prefix must be a letter and up to 9 letters, digits, _ or -, "
-                     f"got {args.netns_prefix!r}")
-    for link in args.link:
-        try:
-            parse_rate(link)
-        except argparse.ArgumentTypeError as e:
-            parser.error(f"argument --link: {e}")
+    problem = argument_problem(args.link, args.netns_prefix, args.subnet)
+    if problem:
+        parser.error(problem)
     if args.plot:
         import importlib.util
         if importlib.util.find_spec("matplotlib") is None:

@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -318,15 +317,9 @@ def main(argv=None) -> int:
         parser.error(f"--devices-per-process must be at least 1, got {args.devices_per_process}")
     if args.link is not None:
         from cgx_jax import netem
-        try:
-            netem.parse_rate(args.link)
-        except argparse.ArgumentTypeError as e:
-            parser.error(f"argument --link: {e}")
-        if not netem.valid_prefix(args.netns_prefix):
-            parser.error(f"--netns-prefix must be a letter and up to 9 letters, digits, _ or "
-                         f"-, got {args.netns_prefix!r}")
-        if not re.fullmatch(r"\d{1,3}\.\d{1,3}\.\d{1,3}", args.subnet):
-            parser.error(f"--subnet must be three octets such as 10.213.1, got {args.subnet!r}")
+        problem = netem.argument_problem([args.link], args.netns_prefix, args.subnet)
+        if problem:
+            parser.error(problem)
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _interrupt)  # stop the processes and remove the network
     return launch(command, args.num_processes, args.devices_per_process,

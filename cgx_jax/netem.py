@@ -72,8 +72,7 @@ class Network:
             "burst", str(burst), "latency", "100ms", ns=ns)
 
     def create(self) -> None:
-        existing = set(line.split()[0] for line in
-                       _ip("ip", "netns", "list").stdout.splitlines() if line.strip())
+        existing = namespaces(self.prefix)
         wanted = [self.hub] + [self.namespace(r) for r in range(self.n)]
         clash = [ns for ns in wanted if ns in existing]
         if clash:
@@ -149,6 +148,24 @@ def can_shape() -> tuple[bool, str]:
     return True, ""
 
 
-def valid_prefix(prefix: str) -> bool:
-    """Namespace prefixes: a letter, then up to 9 letters, digits, ``_`` or ``-``."""
-    return re.fullmatch(r"[A-Za-z][A-Za-z0-9_-]{0,9}", prefix) is not None
+def namespaces(prefix: str = "") -> set[str]:
+    """Names of the network namespaces that exist now (those starting with ``prefix``)."""
+    listing = _ip("ip", "netns", "list").stdout
+    return {line.split()[0] for line in listing.splitlines()
+            if line.strip() and line.startswith(prefix)}
+
+
+def argument_problem(links: list[str], prefix: str, subnet: str) -> str | None:
+    """What is wrong with the ``--link`` values, ``--netns-prefix`` and ``--subnet`` of a
+    command line, or None; for ``parser.error``."""
+    for link in links:
+        try:
+            parse_rate(link)
+        except argparse.ArgumentTypeError as e:
+            return f"argument --link: {e}"
+    if re.fullmatch(r"[A-Za-z][A-Za-z0-9_-]{0,9}", prefix) is None:
+        return (f"--netns-prefix must be a letter and up to 9 letters, digits, _ or -, "
+                f"got {prefix!r}")
+    if re.fullmatch(r"\d{1,3}\.\d{1,3}\.\d{1,3}", subnet) is None:
+        return f"--subnet must be three octets such as 10.213.1, got {subnet!r}"
+    return None

@@ -27,13 +27,8 @@ def run_cli(*args, timeout=240):
                           capture_output=True, text=True, timeout=timeout, env=env)
 
 
-def namespaces():
-    listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    return {line.split()[0] for line in listing.splitlines() if line.strip()}
-
-
 def ours():
-    return {ns for ns in namespaces() if ns.startswith(PREFIX)}
+    return netem.namespaces(PREFIX)
 
 
 needs_netns = pytest.mark.skipif(not netem.can_shape()[0],

@@ -144,9 +144,7 @@ needs_netns = pytest.mark.skipif(not netem.can_shape()[0],
 
 
 def link_namespaces():
-    listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    return {line.split()[0] for line in listing.splitlines()
-            if line.strip().startswith(NETNS_PREFIX)}
+    return netem.namespaces(NETNS_PREFIX)
 
 
 @needs_netns
