@@ -181,15 +181,6 @@ class _Plan:
         return _axis_tuple(self.axis_name) + _axis_tuple(self.inner_axis_name)
 
 
-def _varying_axes(x) -> frozenset:
-    """The shard_map axes ``x`` is typed as varying over (empty outside shard_map)."""
-    aval = jax.typeof(x)
-    manual = getattr(aval, "manual_axis_type", None)
-    if manual is not None:
-        return frozenset(manual.varying)
-    return frozenset(getattr(aval, "vma", ()))
-
-
 @functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
 def _allreduce_buffer(buf, seeds, plan: _Plan):
     """(f32 sum, local compression error or an empty array)."""
@@ -211,12 +202,9 @@ def _allreduce_buffer_jvp(plan, primals, tangents):
     # whose transpose is again a psum, so jax.grad works through compressed_psum.
     buf, seeds = primals
     total, error = _allreduce_buffer(buf, seeds, plan)
+    # Under shard_map both are typed invariant over the reduced axes (the algorithms end in
+    # an invariant gather), so jax.grad of a per-participant loss counts it once, as for psum.
     tangent = lax.psum(tangents[0], plan.all_axes)
-    # Under shard_map the primal may vary over axes the psum made the tangent invariant in
-    # (pure-JAX decoding of an all_gather result is typed varying); the types must agree.
-    missing = tuple(sorted(_varying_axes(total) - _varying_axes(tangent), key=str))
-    if missing:
-        tangent = lax.pcast(tangent, missing, to="varying")
     return (total, error), (tangent, jnp.zeros_like(error))
 
 

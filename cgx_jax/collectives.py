@@ -15,6 +15,11 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
+try:  # typed Varying -> Invariant; public jax.lax has only the Varying -> Varying all_gather
+    from jax._src.lax.parallel import all_gather_invariant as _jax_all_gather_invariant
+except ImportError:  # older jax: gather_rows falls back to a psum
+    _jax_all_gather_invariant = None
+
 from cgx_jax.codec import Codec
 
 ALGORITHMS = ("sra", "allgather", "ring", "auto")
@@ -65,7 +70,7 @@ def scatter_reduce_allgather(buf, axis_name, index, num_participants, seeds, cod
     received = lax.all_to_all(packets, axis_name, split_axis=0, concat_axis=0, tiled=True)
     own = lax.dynamic_index_in_dim(rows, index, axis=0, keepdims=False)
     reduced, _ = ops.reduce_requantize(received, own, index, seeds[1], codec, chunk)
-    gathered = lax.all_gather(reduced, axis_name, axis=0, tiled=False)
+    gathered = gather_rows(reduced, axis_name)
     return ops.dequantize_rows(gathered, codec, chunk, "float32").reshape(-1), error
 
 
@@ -74,7 +79,7 @@ def allgather_reduce(buf, axis_name, index, num_participants, seeds, codec, ops,
     """All-gather: quantize the whole buffer once, gather every packet, decode and sum all
     of them (the own one decoded too, so replicas stay identical)."""
     packet = ops.quantize_rows(buf.reshape(1, -1), seeds[0], codec)[0]
-    gathered = lax.all_gather(packet, axis_name, axis=0, tiled=False)
+    gathered = gather_rows(packet, axis_name)
     _, total = ops.reduce_requantize(gathered, None, index, seeds[1], codec, buf.shape[0],
                                      emit_packet=False, emit_sum=True)
     error = None
@@ -130,9 +135,20 @@ def ring_reduce(buf, axis_name, index, num_participants, seeds, codec, ops, loca
                                                    chunk, emit_sum=True)
             errors = encode_error(errors, c, values, packet)
     # Now c == index: this participant holds the encoded full sum of its own chunk.
-    gathered = lax.all_gather(packet, axis_name, axis=0, tiled=False)
+    gathered = gather_rows(packet, axis_name)
     total = ops.dequantize_rows(gathered, codec, chunk, "float32").reshape(-1)
     return total, (None if errors is None else errors.reshape(-1))
+
+
+def gather_rows(packet, axis_name):
+    """``lax.all_gather(packet, axis_name)`` (row k from participant k), typed invariant over
+    the axis under ``shard_map``: every participant receives the same rows. The decoded sum
+    is then invariant like a ``lax.psum`` result, so ``jax.grad`` of a per-participant loss
+    counts it once (a varying sum would make the straight-through gradient N times larger).
+    Only the type differs from ``lax.all_gather``: XLA runs the same all-gather."""
+    if _jax_all_gather_invariant is None:
+        return _all_gather_invariant(packet, axis_name).reshape(-1, packet.shape[0])
+    return _jax_all_gather_invariant(packet, axis_name, axis=0, tiled=False)
 
 
 def _all_gather_invariant(x, axis_name):
