@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cgx_jax import kernels
+from cgx_jax.bench_allreduce import parse_size
 from cgx_jax.codec import Codec, packet_bytes
 
 
@@ -110,7 +111,8 @@ def main(argv=None) -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     k = sub.add_parser("kernels", help="quantize / dequantize / reduce_requantize throughput")
-    k.add_argument("--sizes", type=int, nargs="+", default=[1 << 22, 1 << 26])
+    k.add_argument("--sizes", type=parse_size, nargs="+", default=[1 << 22, 1 << 26],
+                   help="elements per buffer: 4M 64M (default), 1048576, 64K")
     k.add_argument("--bits", type=int, nargs="+", default=[2, 4, 8])
     k.add_argument("--peers", type=int, default=8)
     k.add_argument("--repeats", type=int, default=5)
@@ -119,6 +121,15 @@ def main(argv=None) -> None:
     sub.add_parser("allreduce", help="psum vs bf16 psum vs compressed_psum across N processes "
                    "on an emulated (netns + tc) link; python -m cgx_jax.bench allreduce -h")
     args = parser.parse_args(argv)
+    if args.peers < 1:
+        parser.error(f"--peers must be at least 1, got {args.peers}")
+    too_small = [s for s in args.sizes if s < 1024 * args.peers]
+    if too_small:
+        parser.error(f"--sizes must be at least one 1024-value bucket per peer "
+                     f"({1024 * args.peers} with --peers {args.peers}), got {too_small}")
+    bad_bits = [b for b in args.bits if not 1 <= b <= 8]
+    if bad_bits:
+        parser.error(f"--bits must be 1..8, got {bad_bits}")
 
     _keep_freed_memory_mapped()
     device = jax.devices(args.platform)[0] if args.platform else jax.devices()[0]

@@ -142,7 +142,6 @@ def main(out_dir: str, mode: str) -> None:
     if mode == "fail":
         if rank == 1:
             raise RuntimeError("rank 1 fails on purpose")
-        import jax.numpy as jnp
         from jax.sharding import PartitionSpec as P
         mesh = flat_mesh(devices)
         fn = jax.jit(jax.shard_map(lambda v: jax.lax.psum(v, "batch"), mesh=mesh,

@@ -3,7 +3,6 @@ at run time; every variant must write the same bytes. Each runs in its own proce
 with CGX_JAX_CPU_ISA, on inputs that take every code path (stochastic and nearest, all bits,
 three dtypes, buckets wider than the largest float, NaN, subnormals)."""
 
-import hashlib
 import os
 import subprocess
 import sys
