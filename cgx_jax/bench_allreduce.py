@@ -272,7 +272,7 @@ def _torch_worker(args) -> None:
             if hook is not None:
                 model.register_comm_hook(make_state() if make_state else None, hook)
 
-            def step():
+            def step(model=model):
                 model.zero_grad(set_to_none=False)
                 model(g).backward()
 

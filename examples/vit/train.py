@@ -455,9 +455,9 @@ def main(argv=None) -> dict:
                          if mode == "adaptive" else ""), flush=True)
     print()
     print(results_table(runs, modes, args.seeds))
-    print(f"\nms/step: mean wall time of a step after compilation (waits for the loss). "
-          f"bytes/step: what one participant all-reduces per step (compressed leaves padded to "
-          f"whole buckets), vs f32: ratio to the exact f32 all-reduce.")
+    print("\nms/step: mean wall time of a step after compilation (waits for the loss). "
+          "bytes/step: what one participant all-reduces per step (compressed leaves padded to "
+          "whole buckets), vs f32: ratio to the exact f32 all-reduce.")
 
     metrics = {
         "config": {k: v for k, v in vars(args).items() if k != "modes"},
