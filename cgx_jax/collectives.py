@@ -17,7 +17,7 @@ from jax import lax
 
 try:  # typed Varying -> Invariant; public jax.lax has only the Varying -> Varying all_gather
     from jax._src.lax.parallel import all_gather_invariant as _jax_all_gather_invariant
-except ImportError:  # older jax: gather_rows falls back to a psum
+except ImportError:  # older jax: gather_invariant falls back to a psum
     _jax_all_gather_invariant = None
 
 from cgx_jax.codec import Codec
@@ -70,7 +70,7 @@ def scatter_reduce_allgather(buf, axis_name, index, num_participants, seeds, cod
     received = lax.all_to_all(packets, axis_name, split_axis=0, concat_axis=0, tiled=True)
     own = lax.dynamic_index_in_dim(rows, index, axis=0, keepdims=False)
     reduced, _ = ops.reduce_requantize(received, own, index, seeds[1], codec, chunk)
-    gathered = gather_rows(reduced, axis_name)
+    gathered = gather_invariant(reduced, axis_name)
     return ops.dequantize_rows(gathered, codec, chunk, "float32").reshape(-1), error
 
 
@@ -79,7 +79,7 @@ def allgather_reduce(buf, axis_name, index, num_participants, seeds, codec, ops,
     """All-gather: quantize the whole buffer once, gather every packet, decode and sum all
     of them (the own one decoded too, so replicas stay identical)."""
     packet = ops.quantize_rows(buf.reshape(1, -1), seeds[0], codec)[0]
-    gathered = gather_rows(packet, axis_name)
+    gathered = gather_invariant(packet, axis_name)
     _, total = ops.reduce_requantize(gathered, None, index, seeds[1], codec, buf.shape[0],
                                      emit_packet=False, emit_sum=True)
     error = None
@@ -135,33 +135,25 @@ def ring_reduce(buf, axis_name, index, num_participants, seeds, codec, ops, loca
                                                    chunk, emit_sum=True)
             errors = encode_error(errors, c, values, packet)
     # Now c == index: this participant holds the encoded full sum of its own chunk.
-    gathered = gather_rows(packet, axis_name)
+    gathered = gather_invariant(packet, axis_name)
     total = ops.dequantize_rows(gathered, codec, chunk, "float32").reshape(-1)
     return total, (None if errors is None else errors.reshape(-1))
 
 
-def gather_rows(packet, axis_name):
-    """``lax.all_gather(packet, axis_name)`` (row k from participant k), typed invariant over
-    the axis under ``shard_map``: every participant receives the same rows. The decoded sum
-    is then invariant like a ``lax.psum`` result, so ``jax.grad`` of a per-participant loss
-    counts it once (a varying sum would make the straight-through gradient N times larger).
-    Only the type differs from ``lax.all_gather``: XLA runs the same all-gather."""
-    if _jax_all_gather_invariant is None:
-        return _all_gather_invariant(packet, axis_name).reshape(-1, packet.shape[0])
-    return _jax_all_gather_invariant(packet, axis_name, axis=0, tiled=False)
-
-
-def _all_gather_invariant(x, axis_name):
-    """Tiled all-gather over ``axis_name``, written as a ``psum`` of zero-padded pieces so
-    that ``shard_map`` types the result as invariant over the axis (what it is: every
-    participant gets the same values), as the flat algorithms' results are, and ``jax.grad``
-    treats the hierarchical result like a ``lax.psum``. Exact: every other term is zero.
-    It moves about twice the bytes of an all-gather, on the fast inner axis only; the public
-    ``lax.all_gather`` is typed varying, and jax.lax exports no invariant form."""
-    size = lax.axis_size(axis_name)
-    rows = jnp.zeros((size, x.shape[0]), x.dtype)
-    rows = lax.dynamic_update_index_in_dim(rows, x, lax.axis_index(axis_name), axis=0)
-    return lax.psum(rows, axis_name).reshape(-1)
+def gather_invariant(x, axis_name, *, tiled=False):
+    """``lax.all_gather(x, axis_name, tiled=tiled)`` (piece k from participant k), typed
+    invariant over the axis under ``shard_map``: every participant receives the same values.
+    Decoding gathered packets then gives an invariant sum, like a ``lax.psum`` result, so
+    ``jax.grad`` of a per-participant loss counts it once (a varying sum would make the
+    straight-through gradient N times larger). XLA runs the same all-gather; only the type
+    differs. Older jax without ``all_gather_invariant`` gets a ``psum`` of zero-padded
+    pieces instead: exact (every other term is zero) but about twice the bytes."""
+    if _jax_all_gather_invariant is not None:
+        return _jax_all_gather_invariant(x, axis_name, axis=0, tiled=tiled)
+    rows = jnp.zeros((lax.axis_size(axis_name),) + x.shape, x.dtype)
+    rows = lax.psum(lax.dynamic_update_index_in_dim(rows, x, lax.axis_index(axis_name), 0),
+                    axis_name)
+    return rows.reshape((-1,) + x.shape[1:]) if tiled else rows
 
 
 def _exact_reduce_scatter(buf, axis_name):
@@ -201,7 +193,7 @@ def hierarchical_reduce(buf, axis_name, inner_axis_name, index, num_participants
     reduce = ALGORITHM_FUNCTIONS[algorithm]
     total, error = reduce(piece, axis_name, index, num_participants, seeds, codec, ops,
                           local_error=local_error)
-    total = _all_gather_invariant(total, inner_axis_name)
+    total = gather_invariant(total, inner_axis_name, tiled=True)
     if error is not None:
         # The piece's error sits where the piece came from; the other inner participants
         # report zero there, so the errors of all devices still add up to the total error.

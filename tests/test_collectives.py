@@ -212,6 +212,25 @@ def test_grad_under_shard_map_matches_psum_for_both_backends(backend, algorithm)
     np.testing.assert_array_equal(np.asarray(got), np.broadcast_to(weights, (3, 192)))
 
 
+def test_psum_fallback_gather_for_older_jax_gives_the_same_bits_and_grads(monkeypatch):
+    # jax releases without all_gather_invariant get a psum of zero-padded pieces instead.
+    from cgx_jax import collectives
+    codec = cgx.Codec(bits=4, bucket_size=64, rounding="nearest")
+    weights = jnp.linspace(-1.0, 1.0, 384)
+    inputs = jax.random.normal(jax.random.key(5), (4, 384))
+
+    def value_and_grad(v):
+        reduce = functools.partial(cgx.compressed_psum, axis_name="batch", codec=codec)
+        return reduce(v), jax.grad(lambda u: jnp.sum(reduce(u) * weights))(v)
+
+    want = run_sharded(value_and_grad, inputs, 4)
+    monkeypatch.setattr(collectives, "_jax_all_gather_invariant", None)
+    got = run_sharded(value_and_grad, inputs, 4)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    np.testing.assert_array_equal(np.asarray(got[1]), np.broadcast_to(weights, (4, 384)))
+
+
 def test_jit_of_pmap_with_fresh_keys_bounded_in_flight():
     codec = cgx.Codec(bits=4, bucket_size=64)
     step = jax.pmap(lambda x, k: cgx.compressed_psum(x, "batch", codec=codec, key=k),
