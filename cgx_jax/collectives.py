@@ -56,12 +56,12 @@ def padding_multiple(algorithm: str, codec: Codec, num_participants: int) -> int
 
 def scatter_reduce_allgather(buf, axis_name, index, num_participants, seeds, codec, ops,
                              local_error=False):
-    """SRA: quantize N chunks -> all_to_all -> reduce own chunk (own values raw) and
-    re-encode -> all_gather -> decode. Every participant decodes the same bytes, so all
-    replicas end bitwise identical."""
+    """SRA: quantize the N-1 chunks of the peers (the own one stays raw, so it is not
+    encoded) -> all_to_all -> reduce own chunk and re-encode -> all_gather -> decode. Every
+    participant decodes the same bytes, so all replicas end bitwise identical."""
     chunk = buf.shape[0] // num_participants
     rows = buf.reshape(num_participants, chunk)
-    packets = ops.quantize_rows(rows, seeds[0], codec)
+    packets = ops.quantize_rows(rows, seeds[0], codec, skip_row=index)
     error = None
     if local_error:  # the own chunk is used raw, so it loses nothing
         lost = rows - ops.dequantize_rows(packets, codec, chunk, "float32")

@@ -28,7 +28,7 @@ def _mix32(x):
 
 def uniform01(seed, counter):
     """Uniform [0, 1) with 24 bits from ``(seed[0], seed[1], counter)``, as codec.h."""
-    h = _mix32(_mix32(counter ^ seed[0]) ^ seed[1])
+    h = _mix32((counter ^ seed[0]) + seed[1])
     return (h >> 8).astype(jnp.int32).astype(jnp.float32) * jnp.float32(2.0**-24)
 
 
@@ -47,7 +47,7 @@ def _unpack(codes, bits):
     return jnp.sum(bitstream << jnp.arange(bits, dtype=jnp.uint32), axis=-1)
 
 
-def quantize_rows(x, seed, codec: Codec):
+def quantize_rows(x, seed, codec: Codec, skip_row=None):
     """Same contract as ``cgx_jax.kernels.quantize_rows``."""
     rows, n = x.shape
     b, size = codec.bits, codec.bucket_size
@@ -76,7 +76,10 @@ def quantize_rows(x, seed, codec: Codec):
     meta = jnp.stack([jnp.where(finite, mn, nan), jnp.where(finite, unit, nan)], axis=-1)
     meta = jax.lax.bitcast_convert_type(meta, jnp.uint8).reshape(rows, -1)
     codes = _pack(level, b).reshape(rows, -1)
-    return jnp.concatenate([meta, codes], axis=1)
+    packets = jnp.concatenate([meta, codes], axis=1)
+    if skip_row is None:
+        return packets
+    return jnp.where(jnp.arange(rows)[:, None] == skip_row, jnp.uint8(0), packets)
 
 
 def dequantize_rows(packets, codec: Codec, n: int, dtype):

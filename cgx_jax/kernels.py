@@ -71,17 +71,20 @@ def _codec_attrs(codec: Codec) -> dict:
     return dict(bits=np.int64(codec.bits), bucket_size=np.int64(codec.bucket_size))
 
 
-def quantize_rows(x: jax.Array, seed: jax.Array, codec: Codec) -> jax.Array:
+def quantize_rows(x: jax.Array, seed: jax.Array, codec: Codec, skip_row=None) -> jax.Array:
     """Encodes each row of ``x`` ``[rows, n]`` (f32/bf16/f16) as one packet -> ``uint8 [rows, P]``.
 
     ``seed`` is ``uint32[2]``; the stochastic noise of element ``(r, j)`` is keyed by the seed
-    and the flat index ``r * n + j``.
+    and the flat index ``r * n + j``. Row ``skip_row`` (an int32 scalar, may be traced; a
+    value outside ``[0, rows)`` skips nothing) is not encoded and comes back as zero bytes:
+    SRA never sends its own row, so it need not pay for encoding it.
     """
     _register()
     rows, n = x.shape
+    skip_row = jnp.asarray(-1 if skip_row is None else skip_row, jnp.int32)
     out = jax.ShapeDtypeStruct((rows, packet_bytes(n, codec)), jnp.uint8)
     call = jax.ffi.ffi_call("cgx_quantize", out, vmap_method="sequential")
-    return call(x, seed, stochastic=codec.stochastic, **_codec_attrs(codec))
+    return call(x, seed, skip_row, stochastic=codec.stochastic, **_codec_attrs(codec))
 
 
 def dequantize_rows(packets: jax.Array, codec: Codec, n: int, dtype) -> jax.Array:

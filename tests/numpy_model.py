@@ -51,9 +51,10 @@ def mix32(x: np.ndarray) -> np.ndarray:
 
 
 def uniform01(seed, counter: np.ndarray) -> np.ndarray:
-    """``float(int32(h >> 8)) * 2^-24``, ``h = mix32(mix32(counter ^ s0) ^ s1)``: exact in f32."""
+    """``float(int32(h >> 8)) * 2^-24``, ``h = mix32((counter ^ s0) + s1)``: exact in f32."""
     s0, s1 = (np.uint32(s) for s in np.asarray(seed, np.uint32).reshape(2))
-    h = mix32(mix32(np.asarray(counter, np.uint32) ^ s0) ^ s1)
+    with np.errstate(over="ignore"):
+        h = mix32((np.asarray(counter, np.uint32) ^ s0) + s1)
     return (h >> np.uint32(8)).astype(np.int32).astype(F32) * F32(2.0**-24)
 
 
@@ -178,9 +179,10 @@ def split_packets(packets: np.ndarray, bits: int, bucket_size: int, n: int):
 
 
 def quantize_rows(x2d: np.ndarray, seed, bits: int, bucket_size: int,
-                  stochastic: bool) -> np.ndarray:
+                  stochastic: bool, skip_row: int = -1) -> np.ndarray:
     """x [rows, n] f32 -> packets uint8 [rows, P]; the noise of element (r, j) is keyed by the
-    seed and the counter ``uint32(r * n + j)``."""
+    seed and the counter ``uint32(r * n + j)``. Row ``skip_row`` (if in [0, rows)) is not
+    encoded: its packet is zero bytes."""
     x2d = np.asarray(x2d)
     assert x2d.dtype == F32, x2d.dtype
     rows, n = x2d.shape
@@ -201,7 +203,10 @@ def quantize_rows(x2d: np.ndarray, seed, bits: int, bucket_size: int,
     level = np.where(finite[:, None], level, np.uint32(0))
     meta = np.stack([mn, unit], axis=-1).astype("<f4").view(np.uint8).reshape(rows, -1)
     codes = pack_levels(level, bits).reshape(rows, -1)
-    return np.concatenate([meta, codes], axis=1)
+    packets = np.concatenate([meta, codes], axis=1)
+    if 0 <= skip_row < rows:
+        packets[skip_row] = 0
+    return packets
 
 
 def dequantize_rows(packets: np.ndarray, bits: int, bucket_size: int, n: int) -> np.ndarray:

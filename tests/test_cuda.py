@@ -171,15 +171,17 @@ def test_quantize_and_dequantize_match_cpu(rounding, dtype):
         for codec, (x, seed, junk) in zip(codecs, inputs):
             n = x.shape[1]
             packets = kernels.quantize_rows(x, seed, codec)
-            outs.append((packets,
+            skipped = kernels.quantize_rows(x, seed, codec, skip_row=1)  # SRA's own row
+            outs.append((packets, skipped,
                          [kernels.dequantize_rows(packets, codec, n, d) for d in DTYPES],
                          [kernels.dequantize_rows(junk, codec, n, d) for d in DTYPES]))
         return outs
 
     gpu, cpu = run_on_both(program, inputs)
     found = []
-    for codec, (gp, gd, gj), (cp, cd, cj) in zip(codecs, gpu, cpu):
+    for codec, (gp, gs, gd, gj), (cp, cs, cd, cj) in zip(codecs, gpu, cpu):
         found.append(difference(gp, cp, f"quantize {codec} {dtype}"))
+        found.append(difference(gs, cs, f"quantize skip_row=1 {codec} {dtype}"))
         for d, g, c in zip(DTYPES, gd, cd):
             found.append(difference(g, c, f"dequantize {codec} -> {d}"))
         for d, g, c in zip(DTYPES, gj, cj):

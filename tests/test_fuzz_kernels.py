@@ -53,8 +53,9 @@ def test_quantize_matches_model_or_fails(codec, rows, buckets, length_delta, pac
     seed = np.arange(1, seed_len + 1, dtype=np.uint32)
     pbytes = model.packet_bytes(n, bits, bucket_size) if n % bucket_size == 0 else 0
     out = sds((rows, max(0, pbytes + packet_delta)), jnp.uint8)
-    run = lambda: call("cgx_quantize", out, x, seed, bits=bits, bucket_size=bucket_size,
-                       stochastic=stochastic)
+    skip_row = data.draw(st.sampled_from([-1, -1, 0, rows - 1, rows, 2**31 - 1]))
+    run = lambda: call("cgx_quantize", out, x, seed, np.int32(skip_row), bits=bits,
+                       bucket_size=bucket_size, stochastic=stochastic)
     consistent = (n % bucket_size == 0 and packet_delta == 0 and seed_len == 2)
     if not consistent:
         # XLA skips a custom call whose outputs are all empty; nothing can be written then.
@@ -62,7 +63,7 @@ def test_quantize_matches_model_or_fails(codec, rows, buckets, length_delta, pac
             assert raises(run)
         return
     got = np.asarray(run())
-    want = model.quantize_rows(x, seed, bits, bucket_size, stochastic)
+    want = model.quantize_rows(x, seed, bits, bucket_size, stochastic, skip_row)
     np.testing.assert_array_equal(got, want)
 
 

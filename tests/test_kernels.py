@@ -176,8 +176,9 @@ def test_model_hash_and_noise_match_integer_reference_and_jnp_backend():
     counters = np.concatenate([np.arange(8), rng.integers(0, 2**32, 1000),
                                [2**32 - 1, 2**31]]).astype(np.uint32)
     seed = np.array([0xDEADBEEF, 0x12345678], np.uint32)
-    want = [_mix32_int(_mix32_int(int(c) ^ int(seed[0])) ^ int(seed[1])) for c in counters]
-    assert model.mix32(model.mix32(counters ^ seed[0]) ^ seed[1]).tolist() == want
+    want = [_mix32_int(((int(c) ^ int(seed[0])) + int(seed[1])) & 0xFFFFFFFF) for c in counters]
+    with np.errstate(over="ignore"):
+        assert model.mix32((counters ^ seed[0]) + seed[1]).tolist() == want
     noise = model.uniform01(seed, counters)
     assert noise.dtype == np.float32
     np.testing.assert_array_equal(noise, np.array([(h >> 8) / 2**24 for h in want], np.float32))
@@ -238,6 +239,26 @@ def test_kernels_match_model_on_large_inputs(bits, bucket_size, dtype, rows, n, 
     assert_bytes_equal(got, want, f"quantize {codec}")
     assert_same_floats(dequantize(got, codec, n, dtype), model_decoded(want, codec, n, dtype),
                        f"dequantize {codec}")
+
+
+@pytest.mark.parametrize("rows,n", [(4, 64 * 5), (4, 1 << 18)], ids=["small", "threaded"])
+def test_quantize_skip_row_zeroes_only_that_row(rows, n):
+    """SRA does not encode its own row: ``skip_row`` gives that row zero bytes and leaves the
+    other rows byte-identical to a full quantize (same noise counters), with the kernels
+    and the jnp backend; an index outside [0, rows) skips nothing."""
+    rng = np.random.default_rng(n)
+    codec = codec_of(4, 64, "stochastic")
+    x = realistic(rng, rows, n, 64)
+    seed = np.array([11, 12], np.uint32)
+    full = model.quantize_rows(x, seed, 4, 64, True)
+    assert full.any(axis=1).all()
+    for skip in (-1, 0, 2, rows - 1, rows, 2**31 - 1):
+        want = full.copy()
+        if 0 <= skip < rows:
+            want[skip] = 0
+        for name, fn in (("kernels", _quantize), ("jnp", _jnp_quantize)):
+            got = np.asarray(fn(on_cpu(x), on_cpu(seed), codec, np.int32(skip)))
+            assert_bytes_equal(got, want, f"{name} skip_row={skip}")
 
 
 def _pad_last(flat, bucket_size):
@@ -745,9 +766,9 @@ PEERS = np.zeros((3, P16), np.uint8)
 OWN = np.ones(16, np.float32)
 
 
-def _quantize_call(x=X16, seed=SEED, out=(1, P16), **attrs):
+def _quantize_call(x=X16, seed=SEED, out=(1, P16), skip_row=np.int32(-1), **attrs):
     attrs.setdefault("stochastic", False)
-    return _call("cgx_quantize", _sds(out, jnp.uint8), x, seed, **attrs)
+    return _call("cgx_quantize", _sds(out, jnp.uint8), x, seed, skip_row, **attrs)
 
 
 def _dequantize_call(packets=np.zeros((1, P16), np.uint8), out=(1, 16), dtype=jnp.float32,
@@ -776,6 +797,8 @@ FFI_ERROR_CASES = {
                                   "bucket_size must be"),
     "quantize seed of 3": (lambda: _quantize_call(seed=np.zeros(3, np.uint32)),
                            "seed must hold 2"),
+    "quantize skip_row of 2": (lambda: _quantize_call(skip_row=np.zeros(2, np.int32)),
+                               "skip_row must hold 1"),
     "quantize rank 3": (lambda: _quantize_call(x=np.ones((1, 1, 16), np.float32)), "rank"),
     "quantize int32 x": (lambda: _quantize_call(x=np.ones((1, 16), np.int32)), "x must be"),
     "dequantize packets length": (lambda: _dequantize_call(np.zeros((1, P16 - 1), np.uint8)),

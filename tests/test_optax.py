@@ -201,13 +201,20 @@ def test_4_bit_training_within_documented_margin(exact_run):
     assert tail_loss(losses) <= 1.02 * exact, (tail_loss(losses), exact)
 
 
-def test_2_bit_error_feedback_beats_plain_2_bit():
-    plain, _, _ = train(cgx.compressed_allreduce("batch", policy=policy(2)))
-    feedback, _, state = train(cgx.compressed_allreduce("batch", policy=policy(2),
+def test_error_feedback_removes_the_bias_of_2_bit_nearest_rounding(exact_run):
+    """Nearest rounding is biased, so plain 2-bit training settles measurably above the exact
+    loss; error feedback re-injects what each step lost and lands next to it. (With
+    stochastic rounding 2 bit is unbiased and already within seed noise of exact here, so
+    that comparison would only test the seed.) Deterministic: no noise involved."""
+    nearest = cgx.LayerPolicy(default=cgx.Codec(bits=2, bucket_size=64, rounding="nearest"),
+                              min_size=256)
+    plain, _, _ = train(cgx.compressed_allreduce("batch", policy=nearest))
+    feedback, _, state = train(cgx.compressed_allreduce("batch", policy=nearest,
                                                         error_feedback=True))
-    # Measured (200 steps, SGD with momentum): 2 bit is 0.65% above the exact loss, 2 bit with
-    # error feedback 0.2% above it.
-    assert tail_loss(feedback) < tail_loss(plain), (tail_loss(feedback), tail_loss(plain))
+    exact = tail_loss(exact_run[0])
+    # Measured (200 steps, SGD with momentum): plain 1.4% above exact, feedback 0.2% below.
+    assert tail_loss(plain) > 1.005 * exact, (tail_loss(plain), exact)
+    assert abs(tail_loss(feedback) / exact - 1) < 0.005, (tail_loss(feedback), exact)
     residual = state[0].residual
     assert jax.tree.structure(residual) == jax.tree.structure(replicate(init_params()))
     assert float(jnp.max(jnp.abs(residual["dense1"]["kernel"]))) > 0  # compressed: some loss

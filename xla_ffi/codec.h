@@ -168,9 +168,12 @@ CGX_HD uint32_t mix32(uint32_t x) {
   return x;
 }
 
-// Uniform in [0, 1) with 24 random bits: exact in f32, never reaches 1.
+// Uniform in [0, 1) with 24 random bits: exact in f32, never reaches 1. One mixer round per
+// element: (counter ^ seed0) + seed1 is a bijection of the counter for each seed, so the
+// elements of a call get distinct mixer inputs, and the mixer's avalanche decorrelates
+// neighbours. (A second round cost a quarter of a 4-bit quantize on CPU.)
 CGX_HD float uniform01(uint32_t seed0, uint32_t seed1, uint32_t counter) {
-  const uint32_t h = mix32(mix32(counter ^ seed0) ^ seed1);
+  const uint32_t h = mix32((counter ^ seed0) + seed1);
   return static_cast<float>(static_cast<int32_t>(h >> 8)) * 5.9604644775390625e-8f;
 }
 

@@ -78,15 +78,17 @@ inline xla::ffi::Error unsupported_dtype(const char* name) {
 // The full argument check of each handler, shared by the CPU and CUDA builds
 // ---------------------------------------------------------------------------
 
-// quantize: x [rows, n] (n a multiple of bucket_size), seed [2], packets [rows, P].
+// quantize: x [rows, n] (n a multiple of bucket_size), seed [2], skip_row [1],
+// packets [rows, P].
 inline xla::ffi::Error check_quantize_args(int64_t bits, int64_t bucket_size,
                                            xla::ffi::Span<const int64_t> x_dims,
-                                           int64_t seed_count, int64_t packets_count,
-                                           int64_t* rows, int64_t* n) {
+                                           int64_t seed_count, int64_t skip_row_count,
+                                           int64_t packets_count, int64_t* rows, int64_t* n) {
   if (auto e = check_codec(bits, bucket_size); e.failure()) return e;
   if (auto e = rows_and_length(x_dims, "x", rows, n); e.failure()) return e;
   if (auto e = check_multiple(*n, bucket_size, "x"); e.failure()) return e;
   if (auto e = check_count(seed_count, 2, "seed"); e.failure()) return e;
+  if (auto e = check_count(skip_row_count, 1, "skip_row"); e.failure()) return e;
   const int64_t pbytes = packet_bytes(*n, static_cast<int>(bits), bucket_size);
   return check_count(packets_count, *rows * pbytes, "packets");
 }
@@ -134,6 +136,7 @@ auto quantize_binding() {
       .Ctx<Context>()
       .template Arg<xla::ffi::AnyBuffer>()                    // x [rows, n]
       .template Arg<xla::ffi::Buffer<xla::ffi::U32>>()        // seed [2]
+      .template Arg<xla::ffi::Buffer<xla::ffi::S32>>()        // skip_row []
       .template Ret<xla::ffi::Buffer<xla::ffi::U8>>()         // packets [rows, P]
       .template Attr<int64_t>("bits")
       .template Attr<int64_t>("bucket_size")

@@ -223,6 +223,12 @@ void quantize_range(const QuantizeJob& job, int64_t begin, int64_t end) {
   for (int64_t i = begin; i < end; ++i) {
     const int64_t row = i / nb, bucket = i % nb;
     uint8_t* packet = job.packets + row * pbytes;
+    if (row == job.skip_row) {
+      store_meta(packet, bucket, 0.0f, 0.0f);
+      uint8_t* codes = codes_of(packet, nb, bucket, cbytes);
+      std::fill(codes, codes + cbytes, uint8_t{0});
+      continue;
+    }
     const int64_t first = row * job.n + bucket * p.bucket_size;
     quantize_bucket<Tag>(x + first, p, static_cast<uint32_t>(first), bucket, packet,
                          codes_of(packet, nb, bucket, cbytes), levels.get());

@@ -17,12 +17,14 @@ struct CodecParams {
   uint32_t seed1;
 };
 
-// x [rows, n] -> packets [rows, P]; work item i is bucket i % nb of row i / nb.
+// x [rows, n] -> packets [rows, P]; work item i is bucket i % nb of row i / nb. Row
+// skip_row (when in range) is not encoded: its packet is all zero bytes.
 struct QuantizeJob {
   ElementType type;
   const void* x;
   int64_t n;
   CodecParams codec;
+  int64_t skip_row;
   uint8_t* packets;
 };
 

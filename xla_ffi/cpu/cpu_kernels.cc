@@ -164,19 +164,20 @@ bool element_type_of(ffi::DataType dtype, ElementType* type) {
 // Handlers
 // ---------------------------------------------------------------------------
 
-// quantize: x [rows, n] -> packets [rows, P]
+// quantize: x [rows, n] -> packets [rows, P]; row skip_row (if in [0, rows)) -> zero bytes
 ffi::Error Quantize(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> seed,
-                    ffi::ResultBuffer<ffi::U8> packets, int64_t bits, int64_t bucket_size,
-                    bool stochastic) {
+                    ffi::Buffer<ffi::S32> skip_row, ffi::ResultBuffer<ffi::U8> packets,
+                    int64_t bits, int64_t bucket_size, bool stochastic) {
   int64_t rows = 0, n = 0;
   if (auto e = check_quantize_args(bits, bucket_size, x.dimensions(), seed.element_count(),
-                                   packets->element_count(), &rows, &n);
+                                   skip_row.element_count(), packets->element_count(), &rows,
+                                   &n);
       e.failure())
     return e;
   QuantizeJob job{ElementType::kF32, x.untyped_data(), n,
                   CodecParams{static_cast<int>(bits), bucket_size, stochastic,
                               seed.typed_data()[0], seed.typed_data()[1]},
-                  packets->typed_data()};
+                  skip_row.typed_data()[0], packets->typed_data()};
   if (!element_type_of(x.element_type(), &job.type)) return unsupported_dtype("x");
   if (rows * n == 0) return ffi::Error::Success();
   parallel_for(pool, rows * (n / bucket_size), bucket_size,

@@ -296,16 +296,23 @@ template <typename Tag, int TEAM>
 __global__ void __launch_bounds__(kThreads)
     quantize_kernel(const typename Tag::storage* __restrict__ x, int64_t rows, int64_t n,
                     int bits, int64_t bucket_size, bool stochastic,
-                    const uint32_t* __restrict__ seed, uint8_t* __restrict__ out,
-                    bool x_vectorized) {
+                    const uint32_t* __restrict__ seed, const int32_t* __restrict__ skip_row,
+                    uint8_t* __restrict__ out, bool x_vectorized) {
   const Team<TEAM> team;
   const Noise noise = read_noise(stochastic, seed);
+  const int64_t skipped = static_cast<int64_t>(*skip_row);  // device scalar: read here
   const int64_t nb = n / bucket_size;
   const int64_t pbytes = packet_bytes(n, bits, bucket_size);
   const int64_t cbytes = code_bytes_per_bucket(bits, bucket_size);
   const int64_t groups = bucket_size / 8;
   for (int64_t i = team.first_bucket(); i < rows * nb; i += team.bucket_stride()) {
     const int64_t row = i / nb, bucket = i % nb;
+    if (row == skipped) {  // not encoded: zero meta and codes
+      uint8_t* packet = out + row * pbytes;
+      if (team.rank == 0) store_meta(packet, bucket, 0.0f, 0.0f);
+      zero_codes<TEAM>(packet + nb * kMetaBytesPerBucket + bucket * cbytes, cbytes, team.rank);
+      continue;
+    }
     const int64_t first = row * n + bucket * bucket_size;  // flat index: the noise counter
     const typename Tag::storage* xb = x + first;
 
@@ -559,11 +566,12 @@ ffi::Error launch_status(const char* kernel) {
 // ---------------------------------------------------------------------------
 
 ffi::Error Quantize(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> seed,
-                    ffi::ResultBuffer<ffi::U8> packets, int64_t bits, int64_t bucket_size,
-                    bool stochastic) {
+                    ffi::Buffer<ffi::S32> skip_row, ffi::ResultBuffer<ffi::U8> packets,
+                    int64_t bits, int64_t bucket_size, bool stochastic) {
   int64_t rows = 0, n = 0;
   if (auto e = check_quantize_args(bits, bucket_size, x.dimensions(), seed.element_count(),
-                                   packets->element_count(), &rows, &n);
+                                   skip_row.element_count(), packets->element_count(), &rows,
+                                   &n);
       e.failure())
     return e;
   if (rows * n == 0) return ffi::Error::Success();
@@ -577,8 +585,8 @@ ffi::Error Quantize(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::U32>
     with_team(team, [&](auto team_size) {
       quantize_kernel<Tag, decltype(team_size)::value><<<blocks, kThreads, 0, stream>>>(
           static_cast<const typename Tag::storage*>(data), rows, n, static_cast<int>(bits),
-          bucket_size, stochastic, seed.typed_data(), packets->typed_data(),
-          aligned_to(data, 16));
+          bucket_size, stochastic, seed.typed_data(), skip_row.typed_data(),
+          packets->typed_data(), aligned_to(data, 16));
     });
   });
   if (!supported) return unsupported_dtype("x");
