@@ -15,7 +15,7 @@ propagation, timeout); each runs this module's worker (``--worker``), which call
 measures, per size, the median over ``--repeats`` blocking calls (after warm-up) of
 ``lax.psum`` f32, ``lax.psum`` after a bf16 cast, and ``compressed_psum`` for every bits x
 algorithm, with the relative L2 error against the f32 psum. ``--algorithms sra-wire`` adds,
-per bits, SRA's two collectives (``all_to_all`` + ``all_gather``) on packets of the same
+per bits, SRA's exchange (``collectives.exchange_rows``) and ``all_gather`` on packets of the same
 bytes with no encoding, decoding or reduction: the network's share of ``cgx sra``. Rank 0
 writes the rows as JSON; the orchestrator prints the table and writes ``--json`` /
 ``--markdown`` / ``--plot``.
@@ -121,7 +121,7 @@ def _worker(args) -> None:
     def wire_only(codec, size):
         """SRA's collectives on packets of its byte count, nothing encoded or decoded."""
         from cgx_jax.codec import packet_bytes
-        from cgx_jax.collectives import padding_multiple
+        from cgx_jax.collectives import exchange_rows, padding_multiple
 
         multiple = padding_multiple("sra", codec, n)
         chunk = packet_bytes(-(-size // multiple) * multiple // n, codec)
@@ -129,7 +129,7 @@ def _worker(args) -> None:
         def body(v):
             raw = jax.lax.bitcast_convert_type(v, jnp.uint8).reshape(-1)
             raw = jnp.resize(raw, n * chunk).reshape(n, chunk)  # stands in for the packets
-            pieces = jax.lax.all_to_all(raw, axes, 0, 0, tiled=True)
+            pieces = exchange_rows(raw, axes, jax.lax.axis_index(axes), n)
             # XOR of the received pieces stands in for the reduction (uses every piece).
             own = functools.reduce(jnp.bitwise_xor, list(pieces))
             return jax.lax.all_gather(own, axes, tiled=True)

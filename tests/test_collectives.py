@@ -282,3 +282,46 @@ class TestBadArguments:
     def test_outside_any_mapped_context(self):
         with pytest.raises(ValueError, match="axis_name 'batch' is not bound"):
             cgx.compressed_psum(jnp.ones(64), "batch", codec=self.codec)
+
+
+@pytest.mark.parametrize("num_devices", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("row_bytes", [8, 1000, 1_200_001])
+def test_exchange_rows_is_an_all_to_all_bitwise(num_devices, row_bytes):
+    """SRA's exchange (on CPU: N-1 ppermute shift rounds, the swap round of an even N in
+    pieces once a row reaches 2 x SWAP_PIECE_BYTES, unevenly split here) returns what a
+    tiled all_to_all returns, byte for byte, own row included."""
+    from jax import lax
+
+    from cgx_jax.collectives import SWAP_PIECE_BYTES, exchange_rows
+
+    if row_bytes > 1000 and num_devices not in (2, 4):
+        pytest.skip("the pieces only exist for a swap round (even N); 2 and 4 cover it")
+    assert row_bytes <= 1000 or row_bytes // SWAP_PIECE_BYTES == 2  # two pieces, uneven
+    n = num_devices
+    rows = np.random.default_rng(row_bytes + n).integers(0, 256, (n, n, row_bytes), np.uint8)
+    ours = run_sharded(lambda r: exchange_rows(r, "batch", lax.axis_index("batch"), n),
+                       rows, n)
+    theirs = run_sharded(lambda r: lax.all_to_all(r, "batch", 0, 0, tiled=True), rows, n)
+    np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
+    np.testing.assert_array_equal(np.asarray(ours)[:, 0], rows[0])  # row k is from k
+
+
+def test_exchange_rows_over_a_tuple_of_mesh_axes_is_an_all_to_all():
+    """With axis_name a tuple of mesh axes (one group of 2 x 4 devices, as the benchmark's
+    ("proc", "dev")), the shift rounds use the same participant order as all_to_all."""
+    from jax import lax
+
+    from cgx_jax.collectives import exchange_rows
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")[:8]).reshape(2, 4), ("a", "b"))
+    axes = ("a", "b")
+    rows = np.random.default_rng(7).integers(0, 256, (8, 8, 1_100_000), np.uint8)
+
+    def run(fn):
+        mapped = jax.shard_map(lambda r: fn(r[0])[None], mesh=mesh, in_specs=P(axes),
+                               out_specs=P(axes))
+        return np.asarray(jax.jit(mapped)(rows))
+
+    ours = run(lambda r: exchange_rows(r, axes, lax.axis_index(axes), 8))
+    theirs = run(lambda r: lax.all_to_all(r, axes, 0, 0, tiled=True))
+    np.testing.assert_array_equal(ours, theirs)
