@@ -57,8 +57,9 @@ def padding_multiple(algorithm: str, codec: Codec, num_participants: int) -> int
 def scatter_reduce_allgather(buf, axis_name, index, num_participants, seeds, codec, ops,
                              local_error=False):
     """SRA: quantize the N-1 chunks of the peers (the own one stays raw, so it is not
-    encoded) -> exchange (an all-to-all) -> reduce own chunk and re-encode -> all_gather -> decode. Every
-    participant decodes the same bytes, so all replicas end bitwise identical."""
+    encoded) -> exchange them (an all-to-all) -> reduce own chunk and re-encode -> all_gather
+    -> decode. Every participant decodes the same bytes, so all replicas end bitwise
+    identical."""
     chunk = buf.shape[0] // num_participants
     rows = buf.reshape(num_participants, chunk)
     packets = ops.quantize_rows(rows, seeds[0], codec, skip_row=index)
@@ -69,7 +70,7 @@ def scatter_reduce_allgather(buf, axis_name, index, num_participants, seeds, cod
     received = exchange_rows(packets, axis_name, index, num_participants)
     own = lax.dynamic_index_in_dim(rows, index, axis=0, keepdims=False)
     reduced, _ = ops.reduce_requantize(received, own, index, seeds[1], codec, chunk)
-    gathered = gather_invariant(reduced, axis_name)
+    gathered = gather_packets(reduced, axis_name, num_participants)
     return ops.dequantize_rows(gathered, codec, chunk, "float32").reshape(-1), error
 
 
@@ -78,7 +79,7 @@ def allgather_reduce(buf, axis_name, index, num_participants, seeds, codec, ops,
     """All-gather: quantize the whole buffer once, gather every packet, decode and sum all
     of them (the own one decoded too, so replicas stay identical)."""
     packet = ops.quantize_rows(buf.reshape(1, -1), seeds[0], codec)[0]
-    gathered = gather_invariant(packet, axis_name)
+    gathered = gather_packets(packet, axis_name, num_participants)
     _, total = ops.reduce_requantize(gathered, None, index, seeds[1], codec, buf.shape[0],
                                      emit_packet=False, emit_sum=True)
     error = None
@@ -134,7 +135,7 @@ def ring_reduce(buf, axis_name, index, num_participants, seeds, codec, ops, loca
                                                    chunk, emit_sum=True)
             errors = encode_error(errors, c, values, packet)
     # Now c == index: this participant holds the encoded full sum of its own chunk.
-    gathered = gather_invariant(packet, axis_name)
+    gathered = gather_packets(packet, axis_name, n)
     total = ops.dequantize_rows(gathered, codec, chunk, "float32").reshape(-1)
     return total, (None if errors is None else errors.reshape(-1))
 
@@ -143,11 +144,22 @@ def ring_reduce(buf, axis_name, index, num_participants, seeds, codec, ops, loca
 # announced to the peer on the same TCP stream as the data. When two participants exchange
 # in one collective, the one that arrives last writes its whole message before announcing
 # its receive, so the first one can only start sending once that message has crossed:
-# the two directions of the link take turns. Measured with 4 processes on 1 Gbit/s links,
-# 2 MiB per peer: all_to_all 78-85 ms, the same bytes as N-1 shift rounds 72 ms, with the
-# swap round in 4 pieces 56 ms (3 one-way rounds would take 50 ms).
+# the two directions of the link take turns. Splitting such a swap into several
+# collectives lets the directions overlap again (each process moves on to the next piece
+# while its last one is still in the socket buffer). Measured on 1 Gbit/s links: 4
+# processes exchanging 2 MiB per peer, all_to_all 78-85 ms, shift rounds 72 ms, with the
+# swap round in 4 pieces 56 ms (50 ms ideal); 2 processes gathering 8 MiB, one all_gather
+# 100-104 ms, 4 pieces 80 ms, 8 pieces 72 ms (67 ms ideal). Each extra collective costs
+# about 1 ms where the link is fast (10 Gbit/s: the 8 MiB gather took 10-15 ms whole, 24 ms
+# in 8 pieces), so pieces stay at least SWAP_PIECE_BYTES and at most MAX_SWAP_PIECES.
 SWAP_PIECE_BYTES = 512 * 1024
 MAX_SWAP_PIECES = 4
+
+
+def _swap_bounds(length, itemsize):
+    """Piece boundaries along an axis of ``length`` items for a swap of that many items."""
+    pieces = max(1, min(MAX_SWAP_PIECES, length * itemsize // SWAP_PIECE_BYTES))
+    return [length * p // pieces for p in range(pieces + 1)]
 
 
 def exchange_rows(rows, axis_name, index, num_participants):
@@ -157,9 +169,8 @@ def exchange_rows(rows, axis_name, index, num_participants):
     On CPU (Gloo across processes) it runs as ``N-1`` ``ppermute`` shift rounds instead (round
     ``k``: participant ``i`` sends row ``i+k`` to ``i+k``), so that every link carries data one
     way per collective; only the swap round ``k = N/2`` of an even ``N`` goes both ways, and it
-    is split into up to ``MAX_SWAP_PIECES`` pieces of at least ``SWAP_PIECE_BYTES`` (see the
-    comment above). Same bytes, same result, bit for bit. Other platforms use the
-    ``all_to_all`` (NCCL runs its peers concurrently).
+    runs in pieces (see the comment above). Same bytes, same result, bit for bit. Other
+    platforms use the ``all_to_all`` (NCCL runs its peers concurrently).
     """
     n = num_participants
     if n == 1:
@@ -167,14 +178,11 @@ def exchange_rows(rows, axis_name, index, num_participants):
 
     def shift_rounds(rows):
         out = rows  # the own row stays in place, as in the all_to_all
-        row_bytes = rows.shape[1] * rows.dtype.itemsize
         for k in range(1, n):
             perm = [(j, (j + k) % n) for j in range(n)]
             send = lax.dynamic_index_in_dim(rows, (index + k) % n, axis=0, keepdims=True)
-            pieces = 1
-            if 2 * k == n:
-                pieces = max(1, min(MAX_SWAP_PIECES, row_bytes // SWAP_PIECE_BYTES))
-            bounds = [rows.shape[1] * p // pieces for p in range(pieces + 1)]
+            width = rows.shape[1]
+            bounds = _swap_bounds(width, rows.dtype.itemsize) if 2 * k == n else [0, width]
             got = jnp.concatenate([lax.ppermute(send[:, lo:hi], axis_name, perm)
                                    for lo, hi in zip(bounds[:-1], bounds[1:])], axis=1)
             out = lax.dynamic_update_index_in_dim(out, got[0], (index + n - k) % n, axis=0)
@@ -183,6 +191,22 @@ def exchange_rows(rows, axis_name, index, num_participants):
     return lax.platform_dependent(
         rows, cpu=shift_rounds,
         default=lambda r: lax.all_to_all(r, axis_name, split_axis=0, concat_axis=0, tiled=True))
+
+
+def gather_packets(packet, axis_name, num_participants):
+    """``gather_invariant(packet, axis_name)`` of a 1-D packet -> ``[N, bytes]``. Between two
+    participants the gather is a swap, so on CPU it runs in pieces (see the comment above
+    ``exchange_rows``); the result is the same, bit for bit, and typed invariant too."""
+    if num_participants != 2:
+        return gather_invariant(packet, axis_name)
+
+    def in_pieces(packet):
+        bounds = _swap_bounds(packet.shape[0], packet.dtype.itemsize)
+        return jnp.concatenate([gather_invariant(packet[lo:hi], axis_name)
+                                for lo, hi in zip(bounds[:-1], bounds[1:])], axis=1)
+
+    return lax.platform_dependent(packet, cpu=in_pieces,
+                                  default=lambda p: gather_invariant(p, axis_name))
 
 
 def gather_invariant(x, axis_name, *, tiled=False):

@@ -325,3 +325,26 @@ def test_exchange_rows_over_a_tuple_of_mesh_axes_is_an_all_to_all():
     ours = run(lambda r: exchange_rows(r, axes, lax.axis_index(axes), 8))
     theirs = run(lambda r: lax.all_to_all(r, axes, 0, 0, tiled=True))
     np.testing.assert_array_equal(ours, theirs)
+
+
+@pytest.mark.parametrize("num_devices", [2, 3])
+def test_gather_packets_is_an_all_gather_bitwise_and_invariant(num_devices):
+    """The packet gather (on CPU between 2 participants: a swap in pieces, here 2 uneven
+    ones) equals a plain all_gather, and its result is typed invariant: out_specs=P()
+    accepts it under shard_map's type check."""
+    from jax import lax
+
+    from cgx_jax.collectives import gather_packets
+
+    n = num_devices
+    packets = np.random.default_rng(n).integers(0, 256, (n, 1_200_001), np.uint8)
+    mesh = cpu_mesh(n)
+
+    def run(fn, out_specs):
+        return np.asarray(jax.jit(jax.shard_map(lambda p: fn(p[0]), mesh=mesh,
+                                                in_specs=P("batch"), out_specs=out_specs))(packets))
+
+    ours = run(lambda p: gather_packets(p, "batch", n), P())
+    theirs = run(lambda p: lax.all_gather(p, "batch")[None], P("batch"))
+    np.testing.assert_array_equal(ours, theirs[0])
+    np.testing.assert_array_equal(ours, packets)
