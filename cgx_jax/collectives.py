@@ -12,6 +12,7 @@ peers decoded of it; error feedback adds it to the next step's gradient), else `
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -162,19 +163,28 @@ def _swap_bounds(length, itemsize):
     return [length * p // pieces for p in range(pieces + 1)]
 
 
-def exchange_rows(rows, axis_name, index, num_participants):
+def exchange_rows(rows, axis_name, index, num_participants, *, in_rounds=None):
     """``lax.all_to_all(rows, axis_name, 0, 0, tiled=True)`` of ``rows [N, m]``: row ``j``
     goes to participant ``j``, row ``k`` of the result came from participant ``k``.
 
-    On CPU (Gloo across processes) it runs as ``N-1`` ``ppermute`` shift rounds instead (round
-    ``k``: participant ``i`` sends row ``i+k`` to ``i+k``), so that every link carries data one
-    way per collective; only the swap round ``k = N/2`` of an even ``N`` goes both ways, and it
-    runs in pieces (see the comment above). Same bytes, same result, bit for bit. Other
-    platforms use the ``all_to_all`` (NCCL runs its peers concurrently).
+    On CPU across processes (``in_rounds=None``: when ``jax.process_count() > 1``, where Gloo
+    carries the collectives; ``True`` forces it, for tests) it runs as ``N-1`` ``ppermute``
+    shift rounds instead (round ``k``: participant ``i`` sends row ``i+k`` to ``i+k``), so that
+    every link carries data one way per collective; only the swap round ``k = N/2`` of an even
+    ``N`` goes both ways, and it runs in pieces (see the comment above). Same bytes, same
+    result, bit for bit. Devices of one process (in-process collectives: the rounds would only
+    add rendezvous) and other platforms (NCCL runs its peers concurrently) use the
+    ``all_to_all``.
     """
     n = num_participants
-    if n == 1:
-        return rows
+
+    def all_to_all(rows):
+        return lax.all_to_all(rows, axis_name, split_axis=0, concat_axis=0, tiled=True)
+
+    if in_rounds is None:
+        in_rounds = jax.process_count() > 1
+    if n == 1 or not in_rounds:
+        return all_to_all(rows)
 
     def shift_rounds(rows):
         out = rows  # the own row stays in place, as in the all_to_all
@@ -188,16 +198,17 @@ def exchange_rows(rows, axis_name, index, num_participants):
             out = lax.dynamic_update_index_in_dim(out, got[0], (index + n - k) % n, axis=0)
         return out
 
-    return lax.platform_dependent(
-        rows, cpu=shift_rounds,
-        default=lambda r: lax.all_to_all(r, axis_name, split_axis=0, concat_axis=0, tiled=True))
+    return lax.platform_dependent(rows, cpu=shift_rounds, default=all_to_all)
 
 
-def gather_packets(packet, axis_name, num_participants):
+def gather_packets(packet, axis_name, num_participants, *, in_pieces=None):
     """``gather_invariant(packet, axis_name)`` of a 1-D packet -> ``[N, bytes]``. Between two
-    participants the gather is a swap, so on CPU it runs in pieces (see the comment above
+    participants the gather is a swap, so on CPU across processes (``in_pieces`` as
+    ``exchange_rows``'s ``in_rounds``) it runs in pieces (see the comment above
     ``exchange_rows``); the result is the same, bit for bit, and typed invariant too."""
-    if num_participants != 2:
+    if in_pieces is None:
+        in_pieces = jax.process_count() > 1
+    if num_participants != 2 or not in_pieces:
         return gather_invariant(packet, axis_name)
 
     def in_pieces(packet):

@@ -287,9 +287,10 @@ class TestBadArguments:
 @pytest.mark.parametrize("num_devices", [1, 2, 3, 4, 8])
 @pytest.mark.parametrize("row_bytes", [8, 1000, 1_200_001])
 def test_exchange_rows_is_an_all_to_all_bitwise(num_devices, row_bytes):
-    """SRA's exchange (on CPU: N-1 ppermute shift rounds, the swap round of an even N in
-    pieces once a row reaches 2 x SWAP_PIECE_BYTES, unevenly split here) returns what a
-    tiled all_to_all returns, byte for byte, own row included."""
+    """SRA's exchange in rounds (on CPU across processes: N-1 ppermute shift rounds, the swap
+    round of an even N in pieces once a row reaches 2 x SWAP_PIECE_BYTES, unevenly split
+    here; forced here in one process) returns what a tiled all_to_all returns, byte for
+    byte, own row included."""
     from jax import lax
 
     from cgx_jax.collectives import SWAP_PIECE_BYTES, exchange_rows
@@ -299,8 +300,8 @@ def test_exchange_rows_is_an_all_to_all_bitwise(num_devices, row_bytes):
     assert row_bytes <= 1000 or row_bytes // SWAP_PIECE_BYTES == 2  # two pieces, uneven
     n = num_devices
     rows = np.random.default_rng(row_bytes + n).integers(0, 256, (n, n, row_bytes), np.uint8)
-    ours = run_sharded(lambda r: exchange_rows(r, "batch", lax.axis_index("batch"), n),
-                       rows, n)
+    ours = run_sharded(lambda r: exchange_rows(r, "batch", lax.axis_index("batch"), n,
+                                               in_rounds=True), rows, n)
     theirs = run_sharded(lambda r: lax.all_to_all(r, "batch", 0, 0, tiled=True), rows, n)
     np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
     np.testing.assert_array_equal(np.asarray(ours)[:, 0], rows[0])  # row k is from k
@@ -322,16 +323,16 @@ def test_exchange_rows_over_a_tuple_of_mesh_axes_is_an_all_to_all():
                                out_specs=P(axes))
         return np.asarray(jax.jit(mapped)(rows))
 
-    ours = run(lambda r: exchange_rows(r, axes, lax.axis_index(axes), 8))
+    ours = run(lambda r: exchange_rows(r, axes, lax.axis_index(axes), 8, in_rounds=True))
     theirs = run(lambda r: lax.all_to_all(r, axes, 0, 0, tiled=True))
     np.testing.assert_array_equal(ours, theirs)
 
 
 @pytest.mark.parametrize("num_devices", [2, 3])
 def test_gather_packets_is_an_all_gather_bitwise_and_invariant(num_devices):
-    """The packet gather (on CPU between 2 participants: a swap in pieces, here 2 uneven
-    ones) equals a plain all_gather, and its result is typed invariant: out_specs=P()
-    accepts it under shard_map's type check."""
+    """The packet gather in pieces (on CPU across processes between 2 participants; forced
+    here, 2 uneven pieces) equals a plain all_gather, and its result is typed invariant:
+    out_specs=P() accepts it under shard_map's type check."""
     from jax import lax
 
     from cgx_jax.collectives import gather_packets
@@ -344,7 +345,34 @@ def test_gather_packets_is_an_all_gather_bitwise_and_invariant(num_devices):
         return np.asarray(jax.jit(jax.shard_map(lambda p: fn(p[0]), mesh=mesh,
                                                 in_specs=P("batch"), out_specs=out_specs))(packets))
 
-    ours = run(lambda p: gather_packets(p, "batch", n), P())
+    ours = run(lambda p: gather_packets(p, "batch", n, in_pieces=True), P())
     theirs = run(lambda p: lax.all_gather(p, "batch")[None], P("batch"))
     np.testing.assert_array_equal(ours, theirs[0])
     np.testing.assert_array_equal(ours, packets)
+
+
+def test_one_process_keeps_the_plain_collectives():
+    """Devices of one process (no Gloo) get one all_to_all / all_gather, not rounds."""
+    from jax import lax
+
+    from cgx_jax.collectives import exchange_rows, gather_packets
+
+    def count(fn, shape):
+        mapped = jax.shard_map(fn, mesh=cpu_mesh(2), in_specs=P("batch"), out_specs=P("batch"),
+                               check_vma=False)
+        hlo = jax.jit(mapped).lower(np.zeros(shape, np.uint8)).compile().as_text()
+        return {op: hlo.count(f" {op}(") for op in ("all-to-all", "collective-permute",
+                                                      "all-gather")}
+
+    def exchange(**kw):  # per device: rows [2, m]
+        return lambda r: exchange_rows(r, "batch", lax.axis_index("batch"), 2, **kw)
+
+    def gather(**kw):  # per device: one packet
+        return lambda p: gather_packets(p[0], "batch", 2, **kw)[None]
+
+    rows, packets = (4, 1_200_001), (2, 1_200_001)
+    assert count(exchange(), rows) == {"all-to-all": 1, "collective-permute": 0,
+                                       "all-gather": 0}
+    assert count(exchange(in_rounds=True), rows)["collective-permute"] == 2
+    assert count(gather(), packets)["all-gather"] == 1
+    assert count(gather(in_pieces=True), packets)["all-gather"] == 2
