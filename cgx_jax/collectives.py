@@ -211,12 +211,12 @@ def gather_packets(packet, axis_name, num_participants, *, in_pieces=None):
     if num_participants != 2 or not in_pieces:
         return gather_invariant(packet, axis_name)
 
-    def in_pieces(packet):
+    def gather_in_pieces(packet):
         bounds = _swap_bounds(packet.shape[0], packet.dtype.itemsize)
         return jnp.concatenate([gather_invariant(packet[lo:hi], axis_name)
                                 for lo, hi in zip(bounds[:-1], bounds[1:])], axis=1)
 
-    return lax.platform_dependent(packet, cpu=in_pieces,
+    return lax.platform_dependent(packet, cpu=gather_in_pieces,
                                   default=lambda p: gather_invariant(p, axis_name))
 
 

@@ -6,9 +6,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import cgx_jax as cgx
+from cgx_jax.collectives import SWAP_PIECE_BYTES, exchange_rows, gather_packets
 from conftest import cpu_mesh
 
 
@@ -291,10 +293,6 @@ def test_exchange_rows_is_an_all_to_all_bitwise(num_devices, row_bytes):
     round of an even N in pieces once a row reaches 2 x SWAP_PIECE_BYTES, unevenly split
     here; forced here in one process) returns what a tiled all_to_all returns, byte for
     byte, own row included."""
-    from jax import lax
-
-    from cgx_jax.collectives import SWAP_PIECE_BYTES, exchange_rows
-
     if row_bytes > 1000 and num_devices not in (2, 4):
         pytest.skip("the pieces only exist for a swap round (even N); 2 and 4 cover it")
     assert row_bytes <= 1000 or row_bytes // SWAP_PIECE_BYTES == 2  # two pieces, uneven
@@ -310,10 +308,6 @@ def test_exchange_rows_is_an_all_to_all_bitwise(num_devices, row_bytes):
 def test_exchange_rows_over_a_tuple_of_mesh_axes_is_an_all_to_all():
     """With axis_name a tuple of mesh axes (one group of 2 x 4 devices, as the benchmark's
     ("proc", "dev")), the shift rounds use the same participant order as all_to_all."""
-    from jax import lax
-
-    from cgx_jax.collectives import exchange_rows
-
     mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")[:8]).reshape(2, 4), ("a", "b"))
     axes = ("a", "b")
     rows = np.random.default_rng(7).integers(0, 256, (8, 8, 1_100_000), np.uint8)
@@ -333,10 +327,6 @@ def test_gather_packets_is_an_all_gather_bitwise_and_invariant(num_devices):
     """The packet gather in pieces (on CPU across processes between 2 participants; forced
     here, 2 uneven pieces) equals a plain all_gather, and its result is typed invariant:
     out_specs=P() accepts it under shard_map's type check."""
-    from jax import lax
-
-    from cgx_jax.collectives import gather_packets
-
     n = num_devices
     packets = np.random.default_rng(n).integers(0, 256, (n, 1_200_001), np.uint8)
     mesh = cpu_mesh(n)
@@ -353,10 +343,6 @@ def test_gather_packets_is_an_all_gather_bitwise_and_invariant(num_devices):
 
 def test_one_process_keeps_the_plain_collectives():
     """Devices of one process (no Gloo) get one all_to_all / all_gather, not rounds."""
-    from jax import lax
-
-    from cgx_jax.collectives import exchange_rows, gather_packets
-
     def count(fn, shape):
         mapped = jax.shard_map(fn, mesh=cpu_mesh(2), in_specs=P("batch"), out_specs=P("batch"),
                                check_vma=False)
