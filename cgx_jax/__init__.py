@@ -2,16 +2,17 @@
 
 CGX-style compressed all-reduce (Markov et al., arXiv 2111.08617): gradients travel as
 1-8-bit bucket-quantized packets, encoded and reduced by XLA FFI kernels (C++ on CPU, CUDA
-on GPU), moved only by XLA's own collectives.
+on GPU), moved only by XLA's own collectives. The design, module by module, is
+docs/design.md.
 """
 
 from cgx_jax.adaptive import (AdaptiveConfig, ErrorTable, fit_policy, layer_errors,
                               refit_policy)
 from cgx_jax.api import compressed_pmean, compressed_psum, dequantize, quantize
 from cgx_jax.codec import Codec, packet_bytes, wire_bytes
-from cgx_jax.kernels import has_cuda_support
+from cgx_jax.backends.ffi import has_cuda_support
 from cgx_jax.optax_transform import CompressedAllReduceState, compressed_allreduce
-from cgx_jax.policy import LayerPolicy, summary
+from cgx_jax.policy import LayerPolicy, leaf_paths, summary, tree_wire_bytes
 
 __version__ = "0.1.0"
 
@@ -28,9 +29,11 @@ __all__ = [
     "fit_policy",
     "has_cuda_support",
     "layer_errors",
+    "leaf_paths",
     "packet_bytes",
     "quantize",
     "refit_policy",
     "summary",
+    "tree_wire_bytes",
     "wire_bytes",
 ]

@@ -1,61 +1,34 @@
 """Public entry points: ``compressed_psum``/``compressed_pmean`` over arrays and pytrees, and
-``quantize``/``dequantize`` of single arrays.
+``quantize``/``dequantize`` of single arrays (docs/design.md section 6).
 
-A pytree is reduced in groups: the leaves that share a codec are flattened into one f32
-buffer (each leaf padded to whole buckets, so no bucket mixes two layers) and go through one
-set of collectives; the leaves left exact go through one ``lax.psum``.
+``reduce_tree`` composes the pieces: the policy picks a codec per leaf
+(``cgx_jax.policy``), leaves sharing a codec are fused into one buffer (``cgx_jax.fusion``),
+each buffer goes through one compressed all-reduce (``cgx_jax.collectives``) with its own
+noise (``cgx_jax.seeds``), and the exact leaves go through one ``lax.psum``.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-from typing import Any, Hashable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from cgx_jax import jax_backend, kernels
-from cgx_jax.codec import Codec, padded_length, packet_bytes
-from cgx_jax.collectives import (ALGORITHM_FUNCTIONS, ALGORITHMS, hierarchical_reduce,
-                                 num_phases, padding_multiple, resolve_algorithm)
+from cgx_jax import fusion
+from cgx_jax.backends import BACKENDS, get_backend
+from cgx_jax.codec import Codec, pad_to_multiple, padded_length, packet_bytes
+from cgx_jax.collectives import (ALGORITHMS, Plan, allreduce_buffer, axis_tuple, num_phases,
+                                 padding_multiple, resolve_algorithm)
 from cgx_jax.policy import LayerPolicy, is_compressible, path_name
-
-BACKENDS = {"ffi": kernels, "jax": jax_backend}
+from cgx_jax.seeds import phase_seeds, rounding_seed, seed_bits
+from cgx_jax.validation import check_choice, check_codec
 
 
 # ---------------------------------------------------------------------------
-# Argument checks
+# Axes
 # ---------------------------------------------------------------------------
-
-def _check_choice(name: str, value, allowed) -> None:
-    if value not in allowed:
-        raise ValueError(f"{name} must be one of {tuple(allowed)}, got {value!r}")
-
-
-def _check_codec(codec) -> None:
-    if not isinstance(codec, Codec):
-        raise TypeError(f"codec must be a cgx_jax.Codec, got {codec!r} of type {type(codec).__name__}")
-
-
-def _seed_bits(key, name: str = "key"):
-    """uint32[2] from a JAX PRNG key (typed ``jax.random.key`` or legacy ``PRNGKey``)."""
-    if isinstance(key, jax.Array) and jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
-        return jax.random.bits(key, (2,), jnp.uint32)
-    if isinstance(key, (jax.Array, np.ndarray)) and key.dtype == jnp.uint32 and key.shape == (2,):
-        return jax.random.bits(key, (2,), jnp.uint32)
-    raise TypeError(
-        f"{name} must be a JAX PRNG key (jax.random.key(0) or jax.random.PRNGKey(0)), got "
-        f"{key!r:.80} of type {type(key).__name__}")
-
-
-def _fold(key, *data):
-    for d in data:
-        key = jax.random.fold_in(key, d)
-    return key
-
 
 def _axis_size(axis_name, argument: str = "axis_name") -> int:
     try:
@@ -67,13 +40,9 @@ def _axis_size(axis_name, argument: str = "axis_name") -> int:
         ) from None
 
 
-def _axis_tuple(axis_name) -> tuple:
-    return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
-
-
 def _check_inner_axis(axis_name, inner_axis_name) -> int:
     """The size of the inner axis; ValueError when it is unbound or overlaps ``axis_name``."""
-    shared = set(_axis_tuple(axis_name)) & set(_axis_tuple(inner_axis_name))
+    shared = set(axis_tuple(axis_name)) & set(axis_tuple(inner_axis_name))
     if shared:
         raise ValueError(
             f"inner_axis_name {inner_axis_name!r} must differ from axis_name {axis_name!r} "
@@ -99,14 +68,14 @@ def quantize(x, codec: Codec, key=None, *, backend: str = "ffi"):
         >>> packet.shape, packet.dtype
         ((80,), dtype('uint8'))
     """
-    _check_codec(codec)
-    _check_choice("backend", backend, BACKENDS)
+    check_codec(codec)
+    implementation = get_backend(backend)
     x = jnp.asarray(x)
     if not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype == jnp.float64:
         raise TypeError(f"x must be a float32, bfloat16 or float16 array, got dtype {x.dtype}")
-    seed = _rounding_seed(codec, key)
-    flat = _pad_to(x.reshape(-1), codec.bucket_size)
-    return BACKENDS[backend].quantize_rows(flat.reshape(1, -1), seed, codec)[0]
+    seed = rounding_seed(codec, key)
+    flat = pad_to_multiple(x.reshape(-1), codec.bucket_size)
+    return implementation.quantize_rows(flat.reshape(1, -1), seed, codec)[0]
 
 
 def dequantize(packets, codec: Codec, shape, dtype=jnp.float32, *, backend: str = "ffi"):
@@ -120,8 +89,8 @@ def dequantize(packets, codec: Codec, shape, dtype=jnp.float32, *, backend: str 
         >>> bool(jnp.max(jnp.abs(x - y)) <= 2 / 255 / 2 + 1e-7)
         True
     """
-    _check_codec(codec)
-    _check_choice("backend", backend, BACKENDS)
+    check_codec(codec)
+    implementation = get_backend(backend)
     shape = tuple(shape)
     dtype = jnp.dtype(dtype)
     if dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
@@ -136,92 +105,37 @@ def dequantize(packets, codec: Codec, shape, dtype=jnp.float32, *, backend: str 
             f"{packets.dtype}{list(packets.shape)}")
     if padded == 0:
         return jnp.zeros(shape, dtype)
-    values = BACKENDS[backend].dequantize_rows(packets.reshape(1, -1), codec, padded, dtype)
+    values = implementation.dequantize_rows(packets.reshape(1, -1), codec, padded, dtype)
     return values.reshape(-1)[:n].reshape(shape)
-
-
-def _rounding_seed(codec: Codec, key):
-    if codec.stochastic:
-        if key is None:
-            raise ValueError(
-                "stochastic rounding needs a PRNG key: pass key=jax.random.key(...) or use "
-                "Codec(rounding='nearest')")
-        return _seed_bits(key)
-    return jnp.zeros((2,), jnp.uint32)
-
-
-def _pad_to(flat, multiple: int):
-    """Pads a 1-D array to a multiple by repeating its last value, so padding never widens a
-    bucket's range (and a constant tensor stays exact)."""
-    n = flat.shape[0]
-    extra = padded_length(n, multiple) - n
-    if extra == 0 or n == 0:
-        return flat
-    return jnp.concatenate([flat, jnp.broadcast_to(flat[-1], (extra,))])
-
-
-# ---------------------------------------------------------------------------
-# The compressed all-reduce of one fused buffer, differentiable as a psum
-# ---------------------------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class _Plan:
-    axis_name: Hashable
-    codec: Codec
-    algorithm: str
-    backend: str
-    num_participants: int
-    local_error: bool
-    inner_axis_name: Hashable = None
-
-    @property
-    def all_axes(self):
-        if self.inner_axis_name is None:
-            return self.axis_name
-        return _axis_tuple(self.axis_name) + _axis_tuple(self.inner_axis_name)
-
-
-@functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
-def _allreduce_buffer(buf, seeds, plan: _Plan):
-    """(f32 sum, local compression error or an empty array)."""
-    index = lax.axis_index(plan.axis_name)
-    if plan.inner_axis_name is None:
-        reduce = ALGORITHM_FUNCTIONS[plan.algorithm]
-        total, error = reduce(buf, plan.axis_name, index, plan.num_participants, seeds,
-                              plan.codec, BACKENDS[plan.backend], local_error=plan.local_error)
-    else:
-        total, error = hierarchical_reduce(
-            buf, plan.axis_name, plan.inner_axis_name, index, plan.num_participants, seeds,
-            plan.codec, BACKENDS[plan.backend], plan.algorithm, local_error=plan.local_error)
-    return total, (jnp.zeros((0,), jnp.float32) if error is None else error)
-
-
-@_allreduce_buffer.defjvp
-def _allreduce_buffer_jvp(plan, primals, tangents):
-    # Straight-through: the derivative of a (compressed) sum is the exact sum of tangents,
-    # whose transpose is again a psum, so jax.grad works through compressed_psum.
-    buf, seeds = primals
-    total, error = _allreduce_buffer(buf, seeds, plan)
-    # Under shard_map both are typed invariant over the reduced axes (the algorithms end in
-    # an invariant gather), so jax.grad of a per-participant loss counts it once, as for psum.
-    tangent = lax.psum(tangents[0], plan.all_axes)
-    return (total, error), (tangent, jnp.zeros_like(error))
 
 
 # ---------------------------------------------------------------------------
 # compressed_psum / compressed_pmean
 # ---------------------------------------------------------------------------
 
-def _reduce_tree(x, axis_name, *, codec, policy, key, algorithm, backend, mean,
-                 local_error=False, inner_axis_name=None):
-    """The compressed all-reduce of a pytree; with ``local_error`` also the tree of what this
-    participant's own compression lost (f32 leaves of the input's shapes, zero where exact)."""
-    _check_choice("algorithm", algorithm, ALGORITHMS)
-    _check_choice("backend", backend, BACKENDS)
+def reduce_tree(x, axis_name, *, codec=None, policy=None, key=None, algorithm="auto",
+                backend="ffi", mean=False, local_error=False, inner_axis_name=None):
+    """The compressed all-reduce of a pytree (``compressed_psum``, or ``compressed_pmean``
+    with ``mean``); with ``local_error`` also the tree of what this participant's own
+    compression lost (f32 leaves of the input's shapes, zero where exact), for error
+    feedback.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, cgx_jax as cgx
+        >>> from cgx_jax.api import reduce_tree
+        >>> codec = cgx.Codec(bits=8, bucket_size=64, rounding="nearest")
+        >>> f = jax.pmap(lambda g: reduce_tree(g, "i", codec=codec, local_error=True),
+        ...              axis_name="i")
+        >>> total, lost = f({"w": jnp.ones((1, 64))})
+        >>> float(total["w"][0, 0]), float(lost["w"][0, 0])
+        (1.0, 0.0)
+    """
+    check_choice("algorithm", algorithm, ALGORITHMS)
+    check_choice("backend", backend, BACKENDS)
     if codec is not None and policy is not None:
         raise ValueError("pass codec= or policy=, not both")
     if codec is not None:
-        _check_codec(codec)
+        check_codec(codec)
     elif policy is None:
         policy = LayerPolicy()
     elif not isinstance(policy, LayerPolicy):
@@ -229,8 +143,6 @@ def _reduce_tree(x, axis_name, *, codec, policy, key, algorithm, backend, mean,
     num_participants = _axis_size(axis_name)
     inner_size = 1 if inner_axis_name is None else _check_inner_axis(axis_name, inner_axis_name)
     algorithm = resolve_algorithm(algorithm, num_participants)
-    all_axes = (axis_name if inner_axis_name is None
-                else _axis_tuple(axis_name) + _axis_tuple(inner_axis_name))
 
     flat_with_paths, treedef = jax.tree_util.tree_flatten_with_path(x)
     leaves = [jnp.asarray(leaf) for _, leaf in flat_with_paths]
@@ -238,11 +150,7 @@ def _reduce_tree(x, axis_name, *, codec, policy, key, algorithm, backend, mean,
         codecs = [codec if is_compressible(leaf) else None for leaf in leaves]
     else:
         codecs = policy.resolve_leaves(jax.tree_util.tree_unflatten(treedef, leaves))
-    groups: dict[Codec, list[int]] = {}
-    for i, (c, leaf) in enumerate(zip(codecs, leaves)):
-        if c is not None and leaf.size > 0:
-            groups.setdefault(c, []).append(i)
-    exact = [i for i in range(len(leaves)) if all(i not in g for g in groups.values())]
+    groups, exact = fusion.group_by_codec(leaves, codecs)
 
     if any(c.stochastic for c in groups) and key is None:
         paths = [path_name(p) for p, _ in flat_with_paths]
@@ -251,41 +159,38 @@ def _reduce_tree(x, axis_name, *, codec, policy, key, algorithm, backend, mean,
             "stochastic rounding needs a PRNG key: pass key=jax.random.key(...) (a fresh one "
             "each step) or use Codec(rounding='nearest'); leaves rounded stochastically: "
             f"{stochastic[:8]}")
+    participant = None
     if key is not None and groups:
-        _seed_bits(key)  # validates the key type before it is folded
-        index = lax.axis_index(axis_name)
+        seed_bits(key)  # validates the key type before it is folded
+        participant = lax.axis_index(axis_name)
         if inner_axis_name is not None:  # one noise stream per device
-            index = index * inner_size + lax.axis_index(inner_axis_name)
+            participant = participant * inner_size + lax.axis_index(inner_axis_name)
 
     out = list(leaves)
     errors = [jnp.zeros(leaf.shape, jnp.float32) for leaf in leaves] if local_error else None
     if exact:
         reduce_exact = lax.pmean if mean else lax.psum
+        all_axes = (axis_name if inner_axis_name is None
+                    else axis_tuple(axis_name) + axis_tuple(inner_axis_name))
         for i, value in zip(exact, reduce_exact([leaves[i] for i in exact], all_axes)):
             out[i] = value
     for group_number, (group_codec, members) in enumerate(groups.items()):
-        plan = _Plan(axis_name, group_codec, algorithm, backend, num_participants, local_error,
-                     inner_axis_name)
+        plan = Plan(axis_name, group_codec, algorithm, backend, num_participants, local_error,
+                    inner_axis_name)
         phases = num_phases(algorithm, num_participants)
-        if group_codec.stochastic:
-            group_key = _fold(key, group_number, index)
-            seeds = jnp.stack([_seed_bits(_fold(group_key, phase)) for phase in range(phases)])
-        else:
-            seeds = jnp.zeros((phases, 2), jnp.uint32)
-        pieces = [_pad_to(leaves[i].reshape(-1).astype(jnp.float32), group_codec.bucket_size)
-                  for i in members]
-        buf = _pad_to(jnp.concatenate(pieces),
-                      inner_size * padding_multiple(algorithm, group_codec, num_participants))
-        total, error = _allreduce_buffer(buf, seeds, plan)
+        seeds = phase_seeds(key if group_codec.stochastic else None, group_number, participant,
+                            phases)
+        multiple = inner_size * padding_multiple(algorithm, group_codec, num_participants)
+        buf = fusion.pack([leaves[i] for i in members], group_codec.bucket_size, multiple)
+        total, error = allreduce_buffer(buf, seeds, plan)
         if mean:
             total = total / jnp.float32(num_participants * inner_size)
-        offset = 0
-        for i, piece in zip(members, pieces):
-            leaf = leaves[i]
-            out[i] = total[offset:offset + leaf.size].reshape(leaf.shape).astype(leaf.dtype)
-            if local_error:
-                errors[i] = error[offset:offset + leaf.size].reshape(leaf.shape)
-            offset += piece.shape[0]
+        shapes = [leaves[i].shape for i in members]
+        for i, value in zip(members, fusion.unpack(total, shapes, group_codec.bucket_size)):
+            out[i] = value.astype(leaves[i].dtype)
+        if local_error:
+            for i, lost in zip(members, fusion.unpack(error, shapes, group_codec.bucket_size)):
+                errors[i] = lost
     result = jax.tree_util.tree_unflatten(treedef, out)
     if local_error:
         return result, jax.tree_util.tree_unflatten(treedef, errors)
@@ -312,14 +217,13 @@ def compressed_psum(x, axis_name, *, codec: Codec | None = None,
     - ``"allgather"``: quantize once, gather all packets; ``N-1`` packets of traffic.
     - ``"ring"``: ``N-1`` ``ppermute`` hops re-encoding partial sums, then a gather; as many
       bytes as SRA, but each value is quantized up to N times, so the error bound grows
-      with N (about N/2 times SRA's; see ``cgx_jax.collectives.ring_reduce``).
+      with N (about N/2 times SRA's; docs/design.md section 4).
     - ``"auto"`` (default): ``"allgather"`` for N <= 2 (same bytes as SRA, one quantization
-      instead of two, one collective instead of two: faster and more accurate in the
-      README's 2-process benchmark), ``"sra"`` otherwise.
+      instead of two, one collective instead of two), ``"sra"`` otherwise.
 
     ``inner_axis_name`` (hierarchical reduction, for example devices of one host): the sum
     runs over ``axis_name`` and ``inner_axis_name`` together: an exact reduce-scatter
-    (``lax.psum_scatter``; on CPU a ``psum``, see ``cgx_jax.collectives.hierarchical_reduce``)
+    (``lax.psum_scatter``; on CPU a ``psum``, docs/design.md section 5)
     over the fast inner axis, the compressed ``algorithm`` over the outer ``axis_name`` on
     each scattered piece (N is the outer size), an exact ``lax.all_gather`` over the inner
     axis. The result is the compressed outer reduction of the exact inner sums.
@@ -334,9 +238,9 @@ def compressed_psum(x, axis_name, *, codec: Codec | None = None,
         >>> f(jnp.ones((4, 256))).shape
         (4, 256)
     """
-    return _reduce_tree(x, axis_name, codec=codec, policy=policy, key=key,
-                        algorithm=algorithm, backend=backend, mean=False,
-                        inner_axis_name=inner_axis_name)
+    return reduce_tree(x, axis_name, codec=codec, policy=policy, key=key,
+                       algorithm=algorithm, backend=backend, mean=False,
+                       inner_axis_name=inner_axis_name)
 
 
 def compressed_pmean(x, axis_name, *, codec: Codec | None = None,
@@ -353,6 +257,6 @@ def compressed_pmean(x, axis_name, *, codec: Codec | None = None,
         >>> f(jnp.ones((1, 64)))[0, :3]
         Array([1., 1., 1.], dtype=float32)
     """
-    return _reduce_tree(x, axis_name, codec=codec, policy=policy, key=key,
-                        algorithm=algorithm, backend=backend, mean=True,
-                        inner_axis_name=inner_axis_name)
+    return reduce_tree(x, axis_name, codec=codec, policy=policy, key=key,
+                       algorithm=algorithm, backend=backend, mean=True,
+                       inner_axis_name=inner_axis_name)

@@ -1,6 +1,8 @@
-"""The codec: bits, bucket size and rounding of a compressed all-reduce, and packet sizes.
+"""The codec: bits, bucket size and rounding of a compressed all-reduce, the padding rule,
+and packet sizes (the one place that computes them: the all-reduce, ``summary``, the
+adaptive fit, the examples and the benchmarks all call ``packet_bytes``/``wire_bytes``).
 
-A packet (DESIGN.md section 2) is one contiguous ``uint8`` buffer::
+A packet (docs/design.md section 2) is one contiguous ``uint8`` buffer::
 
     [ meta: nb x (min f32, unit f32) ][ codes: nb x (bucket_size * bits / 8) bytes ]
 
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
 import numpy as np
 
 ROUNDINGS = ("stochastic", "nearest")
@@ -67,6 +70,22 @@ def _check_int(name: str, value, allowed: str) -> None:
 def padded_length(n: int, multiple: int) -> int:
     """``n`` rounded up to a multiple of ``multiple`` (0 stays 0)."""
     return -(-n // multiple) * multiple
+
+
+def pad_to_multiple(flat, multiple: int):
+    """Pads a 1-D array to a multiple of ``multiple`` by repeating its last value, so padding
+    never widens a bucket's range (and a constant tensor stays exact).
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> pad_to_multiple(jnp.array([1.0, 2.0, 3.0]), 4).tolist()
+        [1.0, 2.0, 3.0, 3.0]
+    """
+    n = flat.shape[0]
+    extra = padded_length(n, multiple) - n
+    if extra == 0 or n == 0:
+        return flat
+    return jnp.concatenate([flat, jnp.broadcast_to(flat[-1], (extra,))])
 
 
 def packet_bytes(n: int, codec: Codec) -> int:

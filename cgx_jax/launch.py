@@ -39,7 +39,7 @@ Gloo setting does not matter; on CPU hosts Gloo binds to the address the host na
 to, so make that resolve to the interface the hosts share.
 
 Keep few collective programs in flight on small CPU machines (wait on a result every step);
-see DESIGN.md section 6.
+see docs/design.md section 9.
 """
 
 from __future__ import annotations
@@ -52,6 +52,8 @@ import subprocess
 import sys
 import threading
 import time
+
+from cgx_jax import netem
 
 ENV_COORDINATOR = "CGX_JAX_COORDINATOR"
 ENV_NUM_PROCESSES = "CGX_JAX_NUM_PROCESSES"
@@ -216,24 +218,27 @@ def launch(command, num_processes: int, devices_per_process: int = 1, *,
             stderr.write(f"cgx_jax.launch: {message}\n")
             stderr.flush()
 
-    network, host = None, "127.0.0.1"
-    if link is not None:
-        from cgx_jax import netem
-        rate = netem.parse_rate(link)
-        if rate is not None:
-            ok, why = netem.can_shape()
-            if ok:
-                network = netem.Network(num_processes, rate, link, subnet, netns_prefix)
-            else:
-                say(f"WARNING: cannot emulate a {link} link ({why}); running UNSHAPED on "
-                    f"loopback")
+    try:
+        with netem.shaped_network(num_processes, link, subnet=subnet, prefix=netns_prefix,
+                                  warn=say) as network:
+            host = "127.0.0.1"
+            if network is not None:
+                host, command = network.address(0), network.wrap(command)
+                say(f"{num_processes} processes in network namespaces {netns_prefix}0.., "
+                    f"{link} links; coordinator {host}:{port}")
+            return _run(command, num_processes, devices_per_process, port, host, timeout,
+                        grace, stdout, stderr, lock, say)
+    except KeyboardInterrupt:  # while the network was being built
+        say("interrupted; stopping all processes")
+        return 130
+
+
+def _run(command, num_processes, devices_per_process, port, host, timeout, grace, stdout,
+         stderr, lock, say) -> int:
+    """Starts the processes, forwards their output, waits; stops them all on the first
+    failure, the timeout or an interrupt. Returns the launcher's exit code."""
     processes, forwarders = [], []
     try:
-        if network is not None:
-            network.create()
-            host, command = network.address(0), network.wrap(command)
-            say(f"{num_processes} processes in network namespaces {netns_prefix}0.., "
-                f"{link} links; coordinator {host}:{port}")
         for rank in range(num_processes):
             process = subprocess.Popen(
                 command, env=child_environment(rank, num_processes, devices_per_process, port,
@@ -273,9 +278,6 @@ def launch(command, num_processes: int, devices_per_process: int = 1, *,
         _stop(processes, grace)
         for forwarder in forwarders:
             forwarder.join(timeout=2.0)
-        if network is not None:
-            for problem in network.remove():
-                say(f"cleanup problem: {problem}")
     return code
 
 
@@ -316,7 +318,6 @@ def main(argv=None) -> int:
     if args.devices_per_process < 1:
         parser.error(f"--devices-per-process must be at least 1, got {args.devices_per_process}")
     if args.link is not None:
-        from cgx_jax import netem
         problem = netem.argument_problem([args.link], args.netns_prefix, args.subnet)
         if problem:
             parser.error(problem)

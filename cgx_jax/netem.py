@@ -3,14 +3,16 @@ process, joined through a bridge in a hub namespace by veth pairs whose two ends
 with ``tc ... tbf rate RATE`` (the process's egress, and the switch port's egress towards it,
 like a full-duplex link of that rate). Addresses are private (``SUBNET.(rank+1)``) and exist
 only inside these namespaces; each namespace gets ``/etc/netns/PREFIXrank/hosts`` mapping the
-host name to its veth address, so Gloo binds there (DESIGN.md section 6). ``remove()``
-deletes exactly what ``create()`` made. Used by ``python -m cgx_jax.launch --link`` and
-``python -m cgx_jax.bench allreduce``.
+host name to its veth address, so Gloo binds there (docs/design.md section 9).
+``shaped_network`` builds one for the length of a ``with`` block and removes exactly what it
+made afterwards; ``python -m cgx_jax.launch --link`` and ``python -m cgx_jax.bench
+allreduce`` both run their processes inside one.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import shutil
@@ -131,6 +133,37 @@ class Network:
                 pass
             self.made_etc_netns = False
         return problems
+
+
+@contextlib.contextmanager
+def shaped_network(num_processes: int, link: str | None, *, subnet: str, prefix: str, warn):
+    """A ``Network`` of ``num_processes`` namespaces behind ``link`` (a tc rate such as
+    ``"1gbit"``) for the ``with`` block, removed afterwards, also on an exception. Yields
+    ``None`` (run unshaped on loopback) for ``link`` None or ``"none"``, and, after
+    ``warn(message)``, where namespaces cannot be made (not root, no ``ip``/``tc``).
+    Cleanup problems are reported through ``warn`` too.
+
+    Example:
+        >>> with shaped_network(2, None, subnet="10.213.9", prefix="doc", warn=print) as net:
+        ...     print(net)
+        None
+    """
+    rate = None if link is None else parse_rate(link)
+    if rate is None:
+        yield None
+        return
+    ok, why = can_shape()
+    if not ok:
+        warn(f"WARNING: cannot emulate a {link} link ({why}); running UNSHAPED on loopback")
+        yield None
+        return
+    network = Network(num_processes, rate, link, subnet, prefix)
+    try:
+        network.create()
+        yield network
+    finally:
+        for problem in network.remove():
+            warn(f"cleanup problem: {problem}")
 
 
 def can_shape() -> tuple[bool, str]:

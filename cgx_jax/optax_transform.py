@@ -1,5 +1,6 @@
 """``compressed_allreduce``: an Optax gradient transformation that all-reduces gradients
-with cgx_jax inside ``pmap``/``shard_map``, optionally with error feedback.
+with cgx_jax inside ``pmap``/``shard_map``, optionally with error feedback
+(docs/design.md section 6).
 
 Put it first in the chain, so every later transformation sees the same reduced gradient on
 every replica::
@@ -15,8 +16,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from cgx_jax import adaptive as adaptive_lib
-from cgx_jax.api import _reduce_tree
+from cgx_jax.adaptive import schedule
+from cgx_jax.api import reduce_tree
 from cgx_jax.policy import LayerPolicy
 
 
@@ -36,7 +37,7 @@ class CompressedAllReduceState(NamedTuple):
 def compressed_allreduce(axis_name, *, policy: LayerPolicy | None = None, mean: bool = True,
                          error_feedback: bool = False, seed: int = 0, algorithm: str = "auto",
                          backend: str = "ffi",
-                         adaptive: adaptive_lib.AdaptiveConfig | None = None
+                         adaptive: schedule.AdaptiveConfig | None = None
                          ) -> optax.GradientTransformation:
     """All-reduces gradients with compressed ``psum`` (``pmean`` when ``mean``) over
     ``axis_name``; must run inside ``pmap``/``shard_map`` with that axis bound.
@@ -79,7 +80,7 @@ def compressed_allreduce(axis_name, *, policy: LayerPolicy | None = None, mean: 
     policy = LayerPolicy() if policy is None else policy
     if not isinstance(policy, LayerPolicy):
         raise TypeError(f"policy must be a cgx_jax.LayerPolicy, got {type(policy).__name__}")
-    if adaptive is not None and not isinstance(adaptive, adaptive_lib.AdaptiveConfig):
+    if adaptive is not None and not isinstance(adaptive, schedule.AdaptiveConfig):
         raise TypeError(f"adaptive must be a cgx_jax.AdaptiveConfig or None, got "
                         f"{type(adaptive).__name__}")
 
@@ -87,24 +88,22 @@ def compressed_allreduce(axis_name, *, policy: LayerPolicy | None = None, mean: 
         residual = (jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params)
                     if error_feedback else None)
         stats = (None if adaptive is None
-                 else adaptive_lib.init_adaptive_state(params, adaptive, policy))
+                 else schedule.init_adaptive_state(params, adaptive, policy))
         return CompressedAllReduceState(key=jax.random.PRNGKey(seed), residual=residual,
                                         adaptive=stats)
 
     def update_fn(updates, state, params=None):
         del params
         key, step_key = jax.random.split(state.key)
-        reduce = dict(policy=policy, codec=None, key=step_key, algorithm=algorithm,
-                      backend=backend, mean=mean)
         if error_feedback:
             updates = jax.tree.map(
                 lambda g, r: (g.astype(jnp.float32) + r).astype(g.dtype), updates, state.residual)
-        stats = (None if adaptive is None else adaptive_lib.update_adaptive_state(
+        stats = (None if adaptive is None else schedule.update_adaptive_state(
             state.adaptive, updates, axis_name, adaptive, policy))
-        if not error_feedback:
-            reduced = _reduce_tree(updates, axis_name, **reduce)
-            return reduced, CompressedAllReduceState(key, None, stats)
-        reduced, lost = _reduce_tree(updates, axis_name, local_error=True, **reduce)
+        result = reduce_tree(updates, axis_name, policy=policy, key=step_key,
+                             algorithm=algorithm, backend=backend, mean=mean,
+                             local_error=error_feedback)
+        reduced, lost = result if error_feedback else (result, None)
         return reduced, CompressedAllReduceState(key, lost, stats)
 
     return optax.GradientTransformation(init_fn, update_fn)

@@ -1,4 +1,4 @@
-"""Which leaves of a pytree are compressed, and with which codec.
+"""Which leaves of a pytree are compressed, and with which codec (docs/design.md section 7).
 
 Leaves are named by their pytree path rendered as ``a/b/c`` (dict keys, attribute names and
 sequence indices), so the same regexes work for Flax linen ``params`` dicts and NNX states.
@@ -39,11 +39,19 @@ def path_name(path) -> str:
 
 
 def leaf_paths(tree) -> list[str]:
-    """The ``a/b/c`` names of the leaves of ``tree``, in ``tree_leaves`` order."""
+    """The ``a/b/c`` names of the leaves of ``tree``, in ``tree_leaves`` order: what the
+    regexes of ``LayerPolicy(exclude=..., overrides=...)`` are matched against.
+
+    Example:
+        >>> import cgx_jax as cgx, jax.numpy as jnp
+        >>> cgx.leaf_paths({"mlp": {"kernel": jnp.zeros(2), "bias": jnp.zeros(2)}})
+        ['mlp/bias', 'mlp/kernel']
+    """
     return [path_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
 
 def is_compressible(leaf) -> bool:
+    """Whether ``leaf`` is floating, so a codec can carry it (integer leaves stay exact)."""
     return jnp.issubdtype(jnp.result_type(leaf), jnp.floating)
 
 
@@ -95,13 +103,21 @@ class LayerPolicy:
                 raise ValueError(f"invalid regex {pattern!r} in LayerPolicy: {err}") from None
         object.__setattr__(self, "overrides", pairs)
 
+    def override_for(self, path: str) -> tuple[bool, Codec | None]:
+        """``(True, codec)`` from the first ``overrides`` regex matching ``path``, else
+        ``(False, None)``."""
+        for pattern, codec in self.overrides:
+            if re.search(pattern, path):
+                return True, codec
+        return False, None
+
     def codec_for(self, path: str, leaf) -> Codec | None:
         """The codec of one leaf named ``path`` (``None``: reduce it exactly)."""
         if not is_compressible(leaf):
             return None
-        for pattern, codec in self.overrides:
-            if re.search(pattern, path):
-                return codec
+        overridden, codec = self.override_for(path)
+        if overridden:
+            return codec
         if any(re.search(pattern, path) for pattern in self.exclude):
             return None
         if jnp.ndim(leaf) < self.min_ndim or jnp.size(leaf) < self.min_size:
@@ -125,6 +141,29 @@ class LayerPolicy:
         return jax.tree_util.tree_unflatten(treedef, self.resolve_leaves(tree))
 
 
+def leaf_wire_bytes(codec: Codec | None, leaf) -> int:
+    """Bytes one participant sends for ``leaf``: its packet padded to whole buckets (as in the
+    fused buffer) under ``codec``, its own dtype's size when exact (``codec`` None)."""
+    size = int(jnp.size(leaf))
+    if codec is None:
+        return size * jnp.dtype(jnp.result_type(leaf)).itemsize
+    return wire_bytes(size, codec)
+
+
+def tree_wire_bytes(policy: LayerPolicy, tree) -> int:
+    """Bytes one participant sends to all-reduce ``tree`` under ``policy``: the total of
+    ``summary``'s wire bytes column.
+
+    Example:
+        >>> import cgx_jax as cgx, jax.numpy as jnp
+        >>> cgx.tree_wire_bytes(cgx.LayerPolicy(), {"w": jnp.zeros((256, 256)), "b": jnp.zeros(256)})
+        34304
+    """
+    leaves = jax.tree_util.tree_leaves(tree)
+    return sum(leaf_wire_bytes(codec, leaf)
+               for codec, leaf in zip(policy.resolve_leaves(tree), leaves))
+
+
 def summary(policy: LayerPolicy, tree) -> str:
     """A table of what ``policy`` does to ``tree``: per leaf its path, shape, codec and bytes
     on the wire against f32 and bf16, then the totals. Compressed leaves are counted padded to
@@ -144,10 +183,8 @@ def summary(policy: LayerPolicy, tree) -> str:
     rows, wire_total, f32_total = [], 0, 0
     for (path, leaf), codec in zip(flat, codecs):
         size = int(jnp.size(leaf))
-        if codec is None:
-            wire, name = size * jnp.dtype(jnp.result_type(leaf)).itemsize, "exact"
-        else:
-            wire, name = wire_bytes(size, codec), f"{codec.bits} bit/{codec.bucket_size} {codec.rounding}"
+        wire = leaf_wire_bytes(codec, leaf)
+        name = "exact" if codec is None else f"{codec.bits} bit/{codec.bucket_size} {codec.rounding}"
         wire_total += wire
         f32_total += 4 * size
         rows.append((path_name(path), str(tuple(jnp.shape(leaf))), name, wire, 4 * size))

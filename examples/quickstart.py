@@ -56,23 +56,6 @@ def synthetic_gradients(shapes, num_devices, key):
     return jax.tree.unflatten(treedef, grads)
 
 
-def wire_bytes_per_participant(grads_one_device, policy, codec, num_devices):
-    """Bytes one participant's packets occupy (each leaf padded to whole buckets as in the fused
-    buffer); exact leaves count 4 bytes per value, as f32 psum would."""
-    codecs = ([codec if cgx.policy.is_compressible(g) else None
-               for g in jax.tree.leaves(grads_one_device)] if codec else
-              policy.resolve_leaves(grads_one_device))
-    compressed, exact = {}, 0
-    for c, leaf in zip(codecs, jax.tree.leaves(grads_one_device)):
-        if c is None:
-            exact += 4 * leaf.size
-        else:
-            compressed[c] = compressed.get(c, 0) + -(-leaf.size // c.bucket_size) * c.bucket_size
-    return exact + sum(cgx.packet_bytes(-(-n // (c.bucket_size * num_devices))
-                                        * c.bucket_size * num_devices, c)
-                       for c, n in compressed.items())
-
-
 def main():
     num_devices = min(8, len(jax.devices()))
     mesh = Mesh(np.array(jax.devices()[:num_devices]), ("batch",))
@@ -110,7 +93,9 @@ def main():
         else:
             fn = sharded(lambda g, k, c=codec, p=policy, a=algorithm: cgx.compressed_pmean(
                 g, "batch", codec=c, policy=p, key=k, algorithm=a))
-            wire = wire_bytes_per_participant(one_device, policy, codec, num_devices)
+            # A codec compresses every floating leaf: the policy with no exceptions.
+            as_policy = policy or cgx.LayerPolicy(default=codec, min_size=0, min_ndim=0)
+            wire = cgx.tree_wire_bytes(as_policy, one_device)
         jax.block_until_ready(fn(grads, jax.random.key(2)))  # compile
         start = time.perf_counter()
         out = jax.block_until_ready(fn(grads, jax.random.key(3)))
@@ -119,9 +104,10 @@ def main():
         error = np.linalg.norm(flat - exact_flat) / np.linalg.norm(exact_flat)
         print(f"{name:<34} {algorithm:<10} {error:>13.2e} {wire / 1e6:>8.2f} "
               f"{4 * num_values / wire:>6.1f}x {2 * num_values / wire:>7.1f}x {millis:>7.1f}")
-    print("\nwire MB: bytes of one participant's packets (SRA moves 2(N-1)/N of them, as a ring "
-          "psum moves 2(N-1)/N of the f32 buffer). ms: one all-reduce on this machine, which "
-          "simulates the devices and has no real network.")
+    print("\nwire MB: bytes of one participant's packets, each leaf padded to whole buckets "
+          "(SRA moves 2(N-1)/N of them, as a ring psum moves 2(N-1)/N of the f32 buffer). "
+          "ms: one all-reduce on this machine, which simulates the devices and has no real "
+          "network.")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""An independent numpy model of the packet format (DESIGN.md section 2, as codified in
+"""An independent numpy model of the packet format (docs/design.md section 2, as codified in
 ``xla_ffi/codec.h``), the oracle the kernel tests compare against byte for byte.
 
 Written from the specification, not from ``cgx_jax.jax_backend``. Every float operation is a

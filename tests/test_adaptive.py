@@ -10,7 +10,7 @@ import optax
 import pytest
 
 import cgx_jax as cgx
-from cgx_jax.adaptive import _knapsack
+from cgx_jax.adaptive.fit import knapsack as _knapsack
 from test_optax import (CPU, NUM_DEVICES, LinenBlock, init_params, loss_fn, replicate,
                         tail_loss, teacher_data)
 

@@ -10,7 +10,7 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
 import cgx_jax as cgx
-from cgx_jax.api import _reduce_tree
+from cgx_jax.api import reduce_tree as _reduce_tree
 from test_collectives import bucket_units, error_bound, run_sharded
 
 

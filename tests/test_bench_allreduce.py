@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from cgx_jax import bench_allreduce as bench
+from cgx_jax.bench import allreduce as bench
 from cgx_jax import netem
 
 PREFIX = "cgxtest"  # not the benchmark's default, so a benchmark running meanwhile is safe

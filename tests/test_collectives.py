@@ -10,7 +10,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import cgx_jax as cgx
-from cgx_jax.collectives import SWAP_PIECE_BYTES, exchange_rows, gather_packets
+from cgx_jax.collectives.transport import SWAP_PIECE_BYTES, exchange_rows, gather_packets
 from conftest import cpu_mesh
 
 
@@ -216,7 +216,7 @@ def test_grad_under_shard_map_matches_psum_for_both_backends(backend, algorithm)
 
 def test_psum_fallback_gather_for_older_jax_gives_the_same_bits_and_grads(monkeypatch):
     # jax releases without all_gather_invariant get a psum of zero-padded pieces instead.
-    from cgx_jax import collectives
+    from cgx_jax.collectives import jax_compat
     codec = cgx.Codec(bits=4, bucket_size=64, rounding="nearest")
     weights = jnp.linspace(-1.0, 1.0, 384)
     inputs = jax.random.normal(jax.random.key(5), (4, 384))
@@ -226,7 +226,7 @@ def test_psum_fallback_gather_for_older_jax_gives_the_same_bits_and_grads(monkey
         return reduce(v), jax.grad(lambda u: jnp.sum(reduce(u) * weights))(v)
 
     want = run_sharded(value_and_grad, inputs, 4)
-    monkeypatch.setattr(collectives, "_jax_all_gather_invariant", None)
+    monkeypatch.setattr(jax_compat, "_jax_all_gather_invariant", None)
     got = run_sharded(value_and_grad, inputs, 4)
     for g, w in zip(got, want):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
@@ -239,7 +239,7 @@ def test_jit_of_pmap_with_fresh_keys_bounded_in_flight():
                     axis_name="batch", in_axes=(0, None), devices=jax.devices("cpu"))
     x = jnp.ones((8, 100)) * jnp.arange(100.0)
     results = []
-    for i in range(5):  # wait on each step: see the rendezvous hazard in DESIGN.md section 6
+    for i in range(5):  # wait on each step: see the rendezvous hazard in docs/design.md section 9
         results.append(np.asarray(jax.block_until_ready(step(x, jax.random.key(i)))))
     assert all(np.all(np.abs(r - 8 * np.arange(100.0)) <= 8 * 99 / 15 * 2 + 1e-3) for r in results)
     assert not np.array_equal(results[0], results[1])

@@ -12,7 +12,8 @@ import pytest
 
 SCRIPT = textwrap.dedent("""
     import hashlib, jax, jax.numpy as jnp, numpy as np
-    from cgx_jax import _cgx_cpu, kernels
+    from cgx_jax import _cgx_cpu
+    from cgx_jax.backends import ffi as kernels
     from cgx_jax.codec import Codec
     rng = np.random.default_rng(0)
     x = rng.standard_normal((3, 4096)).astype(np.float32) * np.float32(10.0) ** rng.integers(-3, 3, (3, 1))

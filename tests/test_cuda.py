@@ -1,5 +1,5 @@
 """The CUDA kernels against the CPU kernels: the same bytes for the same inputs and seeds
-(DESIGN.md section 1, "one target name, two platforms"), and compressed_psum on one GPU.
+(docs/design.md section 1, "one target name, two platforms"), and compressed_psum on one GPU.
 
 Every test runs one jitted program on the first GPU and the same program on the first CPU
 device and compares the outputs bit for bit; the CPU kernels are checked against the numpy
@@ -19,7 +19,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import cgx_jax as cgx
-from cgx_jax import kernels
+from cgx_jax.backends import ffi as kernels
 from cgx_jax.codec import Codec, packet_bytes
 
 

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import numpy_model as model
-from cgx_jax import kernels
+from cgx_jax.backends import ffi as kernels
 
 CPU = jax.devices("cpu")[0]
 SETTINGS = settings(max_examples=60, deadline=None,

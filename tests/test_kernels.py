@@ -2,7 +2,7 @@
 the kernels, properties of the rounding, the public quantize/dequantize, and the argument
 checks of the Python wrappers and of the FFI handlers themselves.
 
-Kernels run on the CPU device; the model is the byte-for-byte oracle (DESIGN.md section 2).
+Kernels run on the CPU device; the model is the byte-for-byte oracle (docs/design.md section 2).
 """
 
 import functools
@@ -15,7 +15,7 @@ import pytest
 
 import cgx_jax
 import numpy_model as model
-from cgx_jax import jax_backend, kernels
+from cgx_jax.backends import ffi as kernels, pure_jax as jax_backend
 from cgx_jax.codec import Codec, packet_bytes, wire_bytes
 
 CPU = jax.devices("cpu")[0]

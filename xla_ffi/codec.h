@@ -1,7 +1,7 @@
 // cgx_jax wire format and rounding arithmetic, shared by the CPU and CUDA kernels.
 //
 // Everything that decides a byte of a packet lives here, written once, so the two
-// platforms cannot drift apart (DESIGN.md section 2):
+// platforms cannot drift apart (docs/design.md section 2):
 //   packet = [ meta: nb x (min f32, unit f32) ][ codes: nb x (B*b/8) bytes ]
 //   unit   = max/(2^b-1) - min/(2^b-1)
 //   level  = min(floor((x - min) * inv + u), 2^b - 1),  inv = 1/unit (0 when unit == 0)

@@ -118,12 +118,11 @@ def wire_stats(policy, params):
     ``policy`` (``None``: exact f32), counted as ``cgx.summary`` does (compressed leaves
     padded to whole buckets)."""
     leaves = jax.tree.leaves(params)
-    codecs = [None] * len(leaves) if policy is None else policy.resolve_leaves(params)
-    wire = sum(4 * x.size if c is None else cgx.wire_bytes(x.size, c)
-               for x, c in zip(leaves, codecs))
     f32 = sum(4 * x.size for x in leaves)
+    wire = f32 if policy is None else cgx.tree_wire_bytes(policy, params)
+    codecs = [None] * len(leaves) if policy is None else policy.resolve_leaves(params)
     bits = {name: (32 if c is None else c.bits)
-            for name, c in zip(cgx.policy.leaf_paths(params), codecs)}
+            for name, c in zip(cgx.leaf_paths(params), codecs)}
     return int(wire), int(f32), bits
 
 

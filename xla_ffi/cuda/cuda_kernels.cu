@@ -1,7 +1,7 @@
 // CUDA XLA FFI handlers for the cgx_jax codec: quantize, dequantize, reduce_requantize.
 //
 // The same three targets as cpu/cpu_kernels.cc, launched on XLA's CUDA stream, producing
-// the same bytes for the same inputs and seeds (DESIGN.md sections 2 and 3). Every
+// the same bytes for the same inputs and seeds (docs/design.md sections 2 and 3). Every
 // operation that decides a byte comes from codec.h; this file only decides which thread
 // touches which bucket, and how buckets' minima and maxima are reduced. A parallel
 // reduction finds the same extremes as the CPU's scan (min and max are exact, and

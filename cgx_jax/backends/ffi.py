@@ -3,7 +3,8 @@
 The CPU module ``_cgx_cpu`` is always built; the CUDA module ``_cgx_cuda`` is optional and
 imported only when JAX has a GPU backend, so a CPU-only install never fails on import.
 Every wrapper works on 2-D ``[rows, n]`` arrays with ``n`` a multiple of the bucket size;
-padding and flattening belong to the callers (``cgx_jax.api``).
+padding and flattening belong to the callers (``cgx_jax.api``, ``cgx_jax.collectives``).
+The contract of each operation is in docs/design.md section 3.
 """
 
 from __future__ import annotations

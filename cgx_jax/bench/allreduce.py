@@ -1,7 +1,7 @@
 """All-reduce bandwidth benchmark across real processes on an emulated network:
 ``python -m cgx_jax.bench allreduce --processes 4 --link 1gbit [--sizes 1M 16M] ...``.
 
-Topology (root only; ``cgx_jax.netem``, DESIGN.md section 6): one network namespace per
+Topology (root only; ``cgx_jax.netem``, docs/design.md section 9): one network namespace per
 process (``cgxbench0`` ... ``cgxbench{N-1}``, ``--netns-prefix``) joined through a bridge by
 veth links shaped with ``tc tbf`` in both directions, private addresses (``10.213.0.0/24`` by
 default) that exist only inside these namespaces, and hosts files so Gloo binds to the veth
@@ -15,7 +15,7 @@ propagation, timeout); each runs this module's worker (``--worker``), which call
 measures, per size, the median over ``--repeats`` blocking calls (after warm-up) of
 ``lax.psum`` f32, ``lax.psum`` after a bf16 cast, and ``compressed_psum`` for every bits x
 algorithm, with the relative L2 error against the f32 psum. ``--algorithms sra-wire`` adds,
-per bits, SRA's exchange (``collectives.exchange_rows``) and ``all_gather`` on packets of the same
+per bits, SRA's exchange (``collectives.transport.exchange_rows``) and ``all_gather`` on packets of the same
 bytes with no encoding, decoding or reduction: the network's share of ``cgx sra``. Rank 0
 writes the rows as JSON; the orchestrator prints the table and writes ``--json`` /
 ``--markdown`` / ``--plot``.
@@ -31,7 +31,6 @@ import argparse
 import functools
 import json
 import os
-import re
 import shutil
 import signal
 import socket
@@ -40,30 +39,11 @@ import tempfile
 import textwrap
 import time
 
-from cgx_jax.netem import Network, argument_problem, can_shape, parse_rate
+from cgx_jax.bench.common import keep_freed_memory_mapped, parse_size, size_label
+from cgx_jax.netem import argument_problem, parse_rate, shaped_network
 
 NS_PREFIX = "cgxbench"
 PORT = 23456
-
-_SUFFIXES = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-
-
-# --------------------------------------------------------------------------- parsing
-
-def parse_size(text: str) -> int:
-    """``1M`` -> 1048576 elements, ``16M``, ``64M``, ``4096``."""
-    m = re.fullmatch(r"\s*(\d+)\s*([kKmMgG]?)\s*", text)
-    if not m:
-        raise argparse.ArgumentTypeError(f"size must look like 4096, 64K, 1M or 16M: {text!r}")
-    return int(m.group(1)) * _SUFFIXES[m.group(2).upper()]
-
-
-def size_label(size: int) -> str:
-    for suffix in ("G", "M", "K"):
-        if size % _SUFFIXES[suffix] == 0:
-            return f"{size // _SUFFIXES[suffix]}{suffix}"
-    return str(size)
-
 
 # --------------------------------------------------------------------------- worker
 
@@ -82,9 +62,7 @@ def _worker(args) -> None:
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
     import cgx_jax as cgx
-    from cgx_jax.bench import _keep_freed_memory_mapped
-
-    _keep_freed_memory_mapped()
+    keep_freed_memory_mapped()
     per_process = len(jax.local_devices())
     # Process-major (num_processes, per_process) grid: "proc" crosses the network, "dev" is
     # the devices inside one process (hierarchical runs reduce over it exactly first).
@@ -107,7 +85,7 @@ def _worker(args) -> None:
 
     def time_it(fn, x):
         for _ in range(args.warmup):
-            jax.block_until_ready(fn(x))  # one program in flight at a time (DESIGN.md 6)
+            jax.block_until_ready(fn(x))  # one program in flight at a time (docs/design.md 9)
         times = []
         for _ in range(args.repeats):
             start = time.perf_counter()
@@ -121,7 +99,8 @@ def _worker(args) -> None:
     def wire_only(codec, size):
         """SRA's collectives on packets of its byte count, nothing encoded or decoded."""
         from cgx_jax.codec import packet_bytes
-        from cgx_jax.collectives import exchange_rows, padding_multiple
+        from cgx_jax.collectives import padding_multiple
+        from cgx_jax.collectives.transport import exchange_rows
 
         multiple = padding_multiple("sra", codec, n)
         chunk = packet_bytes(-(-size // multiple) * multiple // n, codec)
@@ -456,7 +435,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _worker_arguments(args, out: str, coordinator: str | None, kind: str = "--worker"
                       ) -> list[str]:
-    cmd = [sys.executable, "-m", "cgx_jax.bench_allreduce", kind, "--out", out,
+    cmd = [sys.executable, "-m", "cgx_jax.bench.allreduce", kind, "--out", out,
            "--sizes", *map(str, args.sizes), "--bits", *map(str, args.bits),
            "--algorithms", *args.algorithms, "--bucket-size", str(args.bucket_size),
            "--rounding", args.rounding, "--repeats", str(args.repeats),
@@ -475,28 +454,23 @@ def _run_link(args, link: str, use_torch: bool, tmp: str) -> tuple[int, list[dic
     peers in it, and tears it down whatever happens; returns (exit code, rows, note)."""
     from cgx_jax.launch import free_port, launch
 
-    rate = parse_rate(link)
-    network, note = None, ""
-    if rate is not None:
-        ok, why = can_shape()
-        if ok:
-            network = Network(args.processes, rate, link, args.subnet, args.netns_prefix)
-        else:
-            note = f"WARNING: cannot emulate a {link} link ({why}); ran UNSHAPED on loopback"
-            print(note, file=sys.stderr, flush=True)
-    link_text = f"{link} tbf per link, netns/veth/bridge" if network else (
-        "unshaped loopback" + (" (shaping unavailable)" if rate is not None else ""))
+    warnings = []
+
+    def warn(message: str) -> None:
+        warnings.append(message)
+        print(f"cgx_jax.bench allreduce: {message}", file=sys.stderr, flush=True)
+
     out = os.path.join(tmp, f"rows_{link}.json")
     torch_out = os.path.join(tmp, f"torch_rows_{link}.json")
-    code, rows = 1, []
-    try:
+    with shaped_network(args.processes, link, subnet=args.subnet, prefix=args.netns_prefix,
+                        warn=warn) as network:
         if network:
-            network.create()
+            link_text = f"{link} tbf per link, netns/veth/bridge"
             coordinator = f"{network.address(0)}:{PORT}"
             torch_coordinator = f"{network.address(0)}:{PORT + 1}"
-            # Every rank's command runs in its own namespace; launch() sets the rank.
-            wrap = network.wrap
+            wrap = network.wrap  # every rank's command runs in its own namespace
         else:
+            link_text = "unshaped loopback" + (" (shaping unavailable)" if warnings else "")
             coordinator, torch_coordinator = None, f"127.0.0.1:{free_port()}"
             wrap = list
         print(f"# all-reduce across {args.processes} processes x {args.devices_per_process} "
@@ -514,11 +488,7 @@ def _run_link(args, link: str, use_torch: bool, tmp: str) -> tuple[int, list[dic
                       f"{torch_code}); reporting the JAX rows only", file=sys.stderr)
                 if torch_code == 130:
                     code = 130
-    finally:
-        problems = network.remove() if network else []
-        if problems:
-            print("cgx_jax.bench allreduce: cleanup problems:\n  " + "\n  ".join(problems),
-                  file=sys.stderr)
+    rows = []
     if code == 0:
         for path in (out, torch_out):
             if os.path.exists(path):
@@ -526,6 +496,7 @@ def _run_link(args, link: str, use_torch: bool, tmp: str) -> tuple[int, list[dic
                     rows += json.load(f)
     for r in rows:
         r.update(link=link if network else "none", link_requested=link)
+    note = warnings[0] if warnings and not network else ""
     return code, rows, note
 
 

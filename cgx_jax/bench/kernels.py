@@ -1,4 +1,4 @@
-"""Benchmarks: ``python -m cgx_jax.bench kernels [--sizes ...] [--bits ...] [--json PATH]``.
+"""Kernel throughput: ``python -m cgx_jax.bench kernels [--sizes ...] [--bits ...] [--json PATH]``.
 
 Every figure is reported next to a baseline measured in the same run: a memcpy of the same
 f32 buffer on CPU (numpy, one thread), a device-to-device copy on GPU. Throughput is GB/s of
@@ -9,7 +9,6 @@ f32 input (4 bytes per value the kernel encodes, decodes or reduces), so a ratio
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import platform
@@ -20,21 +19,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cgx_jax import kernels
-from cgx_jax.bench_allreduce import parse_size
+from cgx_jax.backends import ffi
+from cgx_jax.bench.common import keep_freed_memory_mapped, parse_size
 from cgx_jax.codec import Codec, packet_bytes
-
-
-def _keep_freed_memory_mapped() -> None:
-    """Keeps freed buffers in the process (glibc mallopt), so each timed call reuses warm
-    pages for XLA's output buffer the way a training loop does, instead of page-faulting a
-    fresh multi-megabyte mmap. No-op off glibc."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD
-        libc.mallopt(-3, 1 << 30)  # M_MMAP_THRESHOLD
-    except (OSError, AttributeError):
-        pass
 
 
 def _time(fn, repeats: int) -> float:
@@ -72,14 +59,14 @@ def kernel_rows(sizes, bits_list, peers: int, repeats: int, device) -> list[dict
                          gb_per_s=gbytes / copy_s, vs_copy=1.0))
         for bits in bits_list:
             codec = Codec(bits=bits, bucket_size=1024, rounding="stochastic")
-            quantize = jax.jit(lambda v: kernels.quantize_rows(v, seed, codec))
+            quantize = jax.jit(lambda v: ffi.quantize_rows(v, seed, codec))
             packets = quantize(x).block_until_ready()
-            dequantize = jax.jit(lambda p: kernels.dequantize_rows(p, codec, size, jnp.float32))
+            dequantize = jax.jit(lambda p: ffi.dequantize_rows(p, codec, size, jnp.float32))
             chunk = size // peers
             peer_packets = jax.device_put(jnp.tile(packets[:, : packet_bytes(chunk, codec)],
                                                    (peers, 1)), device)
             own = x[0, :chunk]
-            reduce = jax.jit(lambda p, o: kernels.reduce_requantize(
+            reduce = jax.jit(lambda p, o: ffi.reduce_requantize(
                 p, o, 0, seed, codec, chunk)[0])
             for name, fn in (
                 ("quantize", lambda: quantize(x).block_until_ready()),
@@ -101,25 +88,16 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> None:
-    import sys
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["allreduce"]:  # its own parser, checks and --from-json
-        from cgx_jax import bench_allreduce
-        raise SystemExit(bench_allreduce.main(argv[1:]))
-    parser = argparse.ArgumentParser(prog="python -m cgx_jax.bench", description=__doc__,
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m cgx_jax.bench kernels", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
-    k = sub.add_parser("kernels", help="quantize / dequantize / reduce_requantize throughput")
-    k.add_argument("--sizes", type=parse_size, nargs="+", default=[1 << 22, 1 << 26],
-                   help="elements per buffer: 4M 64M (default), 1048576, 64K")
-    k.add_argument("--bits", type=int, nargs="+", default=[2, 4, 8])
-    k.add_argument("--peers", type=int, default=8)
-    k.add_argument("--repeats", type=int, default=5)
-    k.add_argument("--platform", default=None, help="cpu or gpu (default: JAX's default)")
-    k.add_argument("--json", default=None, help="also write the rows as JSON to this path")
-    sub.add_parser("allreduce", help="psum vs bf16 psum vs compressed_psum across N processes "
-                   "on an emulated (netns + tc) link; python -m cgx_jax.bench allreduce -h")
+    parser.add_argument("--sizes", type=parse_size, nargs="+", default=[1 << 22, 1 << 26],
+                        help="elements per buffer: 4M 64M (default), 1048576, 64K")
+    parser.add_argument("--bits", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--peers", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--platform", default=None, help="cpu or gpu (default: JAX's default)")
+    parser.add_argument("--json", default=None, help="also write the rows as JSON to this path")
     args = parser.parse_args(argv)
     if args.peers < 1:
         parser.error(f"--peers must be at least 1, got {args.peers}")
@@ -131,7 +109,7 @@ def main(argv=None) -> None:
     if bad_bits:
         parser.error(f"--bits must be 1..8, got {bad_bits}")
 
-    _keep_freed_memory_mapped()
+    keep_freed_memory_mapped()
     device = jax.devices(args.platform)[0] if args.platform else jax.devices()[0]
     sizes = [s - s % (1024 * args.peers) for s in args.sizes]
     rows = kernel_rows(sizes, args.bits, args.peers, args.repeats, device)
@@ -146,7 +124,4 @@ def main(argv=None) -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=str(device), threads=threads, rows=rows), f, indent=2)
-
-
-if __name__ == "__main__":
-    main()
+    return 0

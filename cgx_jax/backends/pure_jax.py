@@ -1,7 +1,7 @@
 """The codec in pure ``jax.numpy``: the readable specification of the packet format
-(DESIGN.md section 2) and the ``backend="jax"`` fallback (TPU, or no compiled kernels).
+(docs/design.md section 2) and the ``backend="jax"`` fallback (TPU, or no compiled kernels).
 
-Same signatures as ``cgx_jax.kernels``. Layout, meta values and levels match the kernels,
+Same signatures as ``cgx_jax.backends.ffi``. Layout, meta values and levels match the kernels,
 except where XLA rewrites float arithmetic (reciprocal multiplication, fused multiply-add)
 and a value on a rounding boundary lands one level away.
 """
@@ -48,7 +48,7 @@ def _unpack(codes, bits):
 
 
 def quantize_rows(x, seed, codec: Codec, skip_row=None):
-    """Same contract as ``cgx_jax.kernels.quantize_rows``."""
+    """Same contract as ``cgx_jax.backends.ffi.quantize_rows``."""
     rows, n = x.shape
     b, size = codec.bits, codec.bucket_size
     values = x.astype(jnp.float32).reshape(rows, n // size, size)
@@ -83,7 +83,7 @@ def quantize_rows(x, seed, codec: Codec, skip_row=None):
 
 
 def dequantize_rows(packets, codec: Codec, n: int, dtype):
-    """Same contract as ``cgx_jax.kernels.dequantize_rows``."""
+    """Same contract as ``cgx_jax.backends.ffi.dequantize_rows``."""
     rows = packets.shape[0]
     nb = n // codec.bucket_size
     meta = jax.lax.bitcast_convert_type(
@@ -103,7 +103,7 @@ def dequantize_rows(packets, codec: Codec, n: int, dtype):
 
 def reduce_requantize(peers, own, own_index, seed, codec: Codec, n: int, *,
                       emit_packet: bool = True, emit_sum: bool = False):
-    """Same contract as ``cgx_jax.kernels.reduce_requantize``."""
+    """Same contract as ``cgx_jax.backends.ffi.reduce_requantize``."""
     num_peers = peers.shape[0]
     if peers.shape[1] != packet_bytes(n, codec):
         raise ValueError(f"peers rows must hold {packet_bytes(n, codec)} bytes, got {peers.shape[1]}")

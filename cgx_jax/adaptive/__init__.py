@@ -1,0 +1,17 @@
+"""Layer-wise adaptive compression (L-GreCo-style): per-leaf bit widths under a size budget
+(docs/design.md section 7).
+
+- ``measure``: ``layer_errors`` -> ``ErrorTable`` (squared error and bytes per candidate leaf
+  and bit width, with the real codec).
+- ``fit``: ``fit_policy``, an exact dynamic program (multiple-choice knapsack) that picks one
+  width per leaf and returns a ``LayerPolicy``.
+- ``schedule``: ``AdaptiveConfig`` (when to refit), the statistics kept by
+  ``compressed_allreduce(..., adaptive=...)``, and ``refit_policy``.
+"""
+
+from cgx_jax.adaptive.fit import fit_policy
+from cgx_jax.adaptive.measure import ErrorTable, layer_errors
+from cgx_jax.adaptive.schedule import AdaptiveConfig, AdaptiveState, refit_policy
+
+__all__ = ["AdaptiveConfig", "AdaptiveState", "ErrorTable", "fit_policy", "layer_errors",
+           "refit_policy"]

@@ -1,0 +1,136 @@
+"""Refitting the policy during training (docs/design.md section 7): when a refit is due,
+the error statistics ``compressed_allreduce(..., adaptive=config)`` keeps in its state, and
+``refit_policy``, which turns them into a new policy on the host.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from cgx_jax.adaptive.fit import check_budget, fit_policy
+from cgx_jax.adaptive.measure import (DEFAULT_BUCKET_SIZE, DEFAULT_CHOICES, ErrorTable,
+                                      check_choices, layer_errors)
+from cgx_jax.codec import Codec
+from cgx_jax.policy import LayerPolicy
+
+
+@dataclasses.dataclass(frozen=True)
+class AdaptiveConfig:
+    """When and how ``compressed_allreduce(..., adaptive=config)`` collects error statistics
+    and ``refit_policy`` refits: ``budget_bits``, ``choices`` and ``bucket_size`` as for
+    ``fit_policy``; a refit is due after ``warmup`` steps and then every ``every`` steps
+    (``due(step)``). The state holds the mean error table of the steps since the last due
+    step.
+
+    Example:
+        >>> import cgx_jax as cgx
+        >>> config = cgx.AdaptiveConfig(every=100, warmup=10)
+        >>> [s for s in range(300) if config.due(s)]
+        [10, 110, 210]
+    """
+
+    budget_bits: float = 4.0
+    every: int = 100
+    warmup: int = 10
+    choices: tuple = DEFAULT_CHOICES
+    bucket_size: int = DEFAULT_BUCKET_SIZE
+
+    def __post_init__(self):
+        object.__setattr__(self, "choices", check_choices(self.choices))
+        check_budget(self.budget_bits, self.choices, "error")
+        Codec(bucket_size=self.bucket_size)  # validates it
+        for name, low in (("every", 1), ("warmup", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
+                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+
+    def due(self, step) -> bool:
+        """Whether the loop should refit after ``step`` completed updates."""
+        return step >= max(self.warmup, 1) and (step - self.warmup) % self.every == 0
+
+    def window_start(self, step):
+        """First update (0-based) of the statistics window holding update ``step``."""
+        after = self.warmup + (step - self.warmup) // self.every * self.every
+        return jnp.where(step < self.warmup, 0, after)
+
+
+class AdaptiveState(NamedTuple):
+    """``table``: the mean all-reduced ``ErrorTable`` of the current window; ``steps``: the
+    number of updates so far (``int32``)."""
+
+    table: ErrorTable
+    steps: jax.Array
+
+
+def init_adaptive_state(params, config: AdaptiveConfig, base: LayerPolicy) -> AdaptiveState:
+    shapes = jax.tree.map(lambda p: jax.ShapeDtypeStruct(jnp.shape(p), jnp.float32), params)
+    table = jax.eval_shape(lambda g: layer_errors(g, config.choices, config.bucket_size,
+                                                  base=base), shapes)
+    zeros = jnp.zeros(table.errors.shape, jnp.float32)
+    return AdaptiveState(jax.tree.map(lambda _: zeros, table), jnp.zeros((), jnp.int32))
+
+
+def update_adaptive_state(state: AdaptiveState, grads, axis_name, config: AdaptiveConfig,
+                          base: LayerPolicy) -> AdaptiveState:
+    """Adds this step's all-reduced (``lax.pmean``) error table to the window mean."""
+    table = layer_errors(grads, config.choices, config.bucket_size, base=base)
+    table = jax.lax.pmean(table, axis_name)
+    step = state.steps
+    seen = (step - config.window_start(step)).astype(jnp.float32)
+    mean = jax.tree.map(lambda old, new: old + (new - old) / (seen + 1.0), state.table, table)
+    return AdaptiveState(mean, step + 1)
+
+
+def refit_policy(state_or_table, config: AdaptiveConfig, *,
+                 base: LayerPolicy | None = None) -> LayerPolicy:
+    """A new policy from the error statistics in a ``compressed_allreduce(adaptive=config)``
+    state (or an optax chain state holding one, or an ``ErrorTable``).
+
+    Host side: a traced step's policy is static, so the loop calls this when
+    ``config.due(step)``, then uses a step function built for the returned policy. Policies
+    are hashable and the (leaf, bits) choices are finite, so cache compiled step functions in
+    a dict keyed by policy: compilations are bounded by the distinct policies met, typically a
+    handful. Pass the policy the transform was built with as ``base`` (a fitted policy is a
+    valid base: its own overrides are replaced, and the state's table keeps its structure).
+
+    Example:
+        >>> import cgx_jax as cgx, jax, jax.numpy as jnp, optax
+        >>> config = cgx.AdaptiveConfig(bucket_size=256, every=5, warmup=1)
+        >>> base = cgx.LayerPolicy(min_size=0)
+        >>> tx = cgx.compressed_allreduce("batch", policy=base, adaptive=config)
+        >>> grads = {"w": jax.random.normal(jax.random.key(0), (1, 64, 64))}
+        >>> state = jax.pmap(tx.init)(grads)
+        >>> _, state = jax.pmap(tx.update, axis_name="batch")(grads, state)
+        >>> config.due(1), cgx.refit_policy(state, config, base=base).overrides[0][1].bits
+        (True, 4)
+    """
+    base = LayerPolicy() if base is None else base
+    table = _find_table(state_or_table)
+    return fit_policy(table, budget_bits=config.budget_bits, choices=config.choices,
+                      bucket_size=config.bucket_size, base=base)
+
+
+def _find_table(state) -> ErrorTable:
+    if isinstance(state, ErrorTable):
+        return state
+    if isinstance(state, AdaptiveState):
+        if int(np.max(np.asarray(state.steps))) == 0:
+            raise ValueError("no error statistics yet: refit after at least one update")
+        return state.table
+    adaptive = getattr(state, "adaptive", None)
+    if isinstance(adaptive, AdaptiveState):
+        return _find_table(adaptive)
+    if isinstance(state, (tuple, list)):
+        for item in state:
+            try:
+                return _find_table(item)
+            except TypeError:
+                continue
+    raise TypeError("expected an ErrorTable or an optimizer state holding the state of "
+                    f"compressed_allreduce(..., adaptive=...), got {type(state).__name__}")

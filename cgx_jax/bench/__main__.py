@@ -1,0 +1,35 @@
+"""``python -m cgx_jax.bench kernels|allreduce [options]``: runs one benchmark."""
+
+from __future__ import annotations
+
+import sys
+
+USAGE = """usage: python -m cgx_jax.bench {kernels,allreduce} [options]
+
+  kernels     quantize / dequantize / reduce_requantize throughput against a copy
+  allreduce   psum vs bf16 psum vs compressed_psum across N processes on an emulated
+              (netns + tc) link
+
+python -m cgx_jax.bench COMMAND -h shows the options of one."""
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command, rest = (argv[0], argv[1:]) if argv else (None, [])
+    if command == "kernels":
+        from cgx_jax.bench import kernels
+        return kernels.main(rest)
+    if command == "allreduce":
+        from cgx_jax.bench import allreduce
+        return allreduce.main(rest)
+    if command in ("-h", "--help"):
+        print(USAGE)
+        return 0
+    print(USAGE, file=sys.stderr)
+    problem = "a command is required" if command is None else f"unknown command {command!r}"
+    print(f"python -m cgx_jax.bench: error: {problem}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,128 @@
+"""Compressed all-reduce of one flat f32 buffer, built only from ``lax`` collectives
+(docs/design.md section 4). It runs inside ``pmap``/``shard_map`` with the axes bound; the
+kernels never communicate, XLA moves every byte.
+
+One module per algorithm (``sra``, ``allgather``, ``ring``, ``hierarchical``), the CPU
+cross-process transport in ``transport``, the one use of JAX internals in ``jax_compat``.
+Each flat algorithm takes a buffer already padded for it (``padding_multiple``), this
+participant's index, ``seeds uint32[num_phases(algorithm, N), 2]`` (one pair per
+quantization phase) and a backend (``cgx_jax.backends``), and returns the f32 sum and, with
+``local_error=True``, what this participant's own compression lost (``buf`` minus what its
+peers decoded of it; error feedback adds it to the next step's gradient), else ``None``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Hashable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from cgx_jax.backends import get_backend
+from cgx_jax.codec import Codec
+from cgx_jax.collectives.allgather import allgather_reduce
+from cgx_jax.collectives.hierarchical import hierarchical_reduce
+from cgx_jax.collectives.ring import ring_reduce
+from cgx_jax.collectives.sra import scatter_reduce_allgather
+
+ALGORITHMS = ("sra", "allgather", "ring", "auto")
+
+
+def axis_tuple(axis_name) -> tuple:
+    """``axis_name`` (a name or a tuple/list of names) as a tuple of names."""
+    return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+
+
+def resolve_algorithm(algorithm: str, num_participants: int) -> str:
+    """``"auto"``: all-gather for N <= 2 participants, SRA otherwise.
+
+    At N = 2 both move one packet per participant, but all-gather quantizes once instead of
+    twice (less error) and runs one collective instead of two; from N = 3 on all-gather moves
+    N-1 packets against SRA's 2(N-1)/N, so SRA wins on bytes. The ring moves as many bytes as
+    SRA but in N-1 dependent steps and with more error, so "auto" never picks it.
+
+    Example:
+        >>> resolve_algorithm("auto", 2), resolve_algorithm("auto", 8)
+        ('allgather', 'sra')
+    """
+    if algorithm == "auto":
+        return "allgather" if num_participants <= 2 else "sra"
+    return algorithm
+
+
+def num_phases(algorithm: str, num_participants: int) -> int:
+    """How many seed pairs an algorithm consumes: the ring encodes N times (the raw chunk,
+    then the partial sum after each of the N-1 hops); SRA and all-gather take two."""
+    if algorithm == "ring":
+        return max(num_participants, 2)
+    return 2
+
+
+def padding_multiple(algorithm: str, codec: Codec, num_participants: int) -> int:
+    """SRA and the ring split the buffer into one whole-bucket chunk per participant;
+    all-gather does not."""
+    if algorithm in ("sra", "ring"):
+        return codec.bucket_size * num_participants
+    return codec.bucket_size
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Everything static about one fused buffer's all-reduce: ``algorithm`` is resolved (not
+    "auto"), ``num_participants`` is the size of ``axis_name`` (the outer axis when
+    ``inner_axis_name`` is set)."""
+
+    axis_name: Hashable
+    codec: Codec
+    algorithm: str
+    backend: str
+    num_participants: int
+    local_error: bool
+    inner_axis_name: Hashable = None
+
+    @property
+    def all_axes(self):
+        """Every axis the sum runs over."""
+        if self.inner_axis_name is None:
+            return self.axis_name
+        return axis_tuple(self.axis_name) + axis_tuple(self.inner_axis_name)
+
+
+def _reduce_flat(buf, seeds, plan: Plan, index):
+    """The plan's flat algorithm over ``plan.axis_name``."""
+    if plan.algorithm == "sra":
+        algorithm = scatter_reduce_allgather
+    elif plan.algorithm == "allgather":
+        algorithm = allgather_reduce
+    else:
+        algorithm = ring_reduce
+    return algorithm(buf, plan.axis_name, index, plan.num_participants, seeds, plan.codec,
+                     get_backend(plan.backend), local_error=plan.local_error)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
+def allreduce_buffer(buf, seeds, plan: Plan):
+    """The compressed sum of ``buf`` over ``plan.all_axes`` -> ``(f32 sum, local compression
+    error or an empty array)``; differentiable as an exact ``psum`` (straight-through)."""
+    index = lax.axis_index(plan.axis_name)
+    if plan.inner_axis_name is None:
+        total, error = _reduce_flat(buf, seeds, plan, index)
+    else:
+        total, error = hierarchical_reduce(
+            buf, plan.inner_axis_name, lambda piece: _reduce_flat(piece, seeds, plan, index))
+    return total, (jnp.zeros((0,), jnp.float32) if error is None else error)
+
+
+@allreduce_buffer.defjvp
+def _allreduce_buffer_jvp(plan, primals, tangents):
+    # Straight-through: the derivative of a (compressed) sum is the exact sum of tangents,
+    # whose transpose is again a psum, so jax.grad works through compressed_psum.
+    buf, seeds = primals
+    total, error = allreduce_buffer(buf, seeds, plan)
+    # Under shard_map both are typed invariant over the reduced axes (the algorithms end in
+    # an invariant gather), so jax.grad of a per-participant loss counts it once, as for psum.
+    tangent = lax.psum(tangents[0], plan.all_axes)
+    return (total, error), (tangent, jnp.zeros_like(error))

@@ -1,0 +1,28 @@
+"""The one place cgx_jax uses JAX internals (``jax._src``), so a JAX upgrade that moves them
+breaks this file only (docs/design.md section 1)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+try:  # typed Varying -> Invariant; public jax.lax has only the Varying -> Varying all_gather
+    from jax._src.lax.parallel import all_gather_invariant as _jax_all_gather_invariant
+except ImportError:  # older jax: gather_invariant falls back to a psum
+    _jax_all_gather_invariant = None
+
+
+def gather_invariant(x, axis_name, *, tiled=False):
+    """``lax.all_gather(x, axis_name, tiled=tiled)`` (piece k from participant k), typed
+    invariant over the axis under ``shard_map``: every participant receives the same values.
+    Decoding gathered packets then gives an invariant sum, like a ``lax.psum`` result, so
+    ``jax.grad`` of a per-participant loss counts it once (a varying sum would make the
+    straight-through gradient N times larger). XLA runs the same all-gather; only the type
+    differs. Older jax without ``all_gather_invariant`` gets a ``psum`` of zero-padded
+    pieces instead: exact (every other term is zero) but about twice the bytes."""
+    if _jax_all_gather_invariant is not None:
+        return _jax_all_gather_invariant(x, axis_name, axis=0, tiled=tiled)
+    rows = jnp.zeros((lax.axis_size(axis_name),) + x.shape, x.dtype)
+    rows = lax.psum(lax.dynamic_update_index_in_dim(rows, x, lax.axis_index(axis_name), 0),
+                    axis_name)
+    return rows.reshape((-1,) + x.shape[1:]) if tiled else rows

@@ -1,0 +1,55 @@
+"""How a JAX PRNG key becomes the ``uint32[2]`` seeds of the kernels' stochastic rounding
+(docs/design.md sections 2 and 6).
+
+Every encode of a compressed all-reduce draws its own noise: the step's key is folded with
+the fused group's number, then the participant's index, then the phase (SRA's and
+all-gather's two quantizations, the ring's N encodes), so groups, participants and phases
+never share a noise stream while every run with the same key gives the same bytes.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from cgx_jax.codec import Codec
+
+
+def seed_bits(key, name: str = "key"):
+    """``uint32[2]`` kernel seed from a JAX PRNG key (typed ``jax.random.key`` or legacy
+    ``PRNGKey``); ``TypeError`` naming ``name`` for anything else.
+
+    Example:
+        >>> import jax
+        >>> seed_bits(jax.random.key(0)).dtype
+        dtype('uint32')
+    """
+    if isinstance(key, jax.Array) and jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        return jax.random.bits(key, (2,), jnp.uint32)
+    if isinstance(key, (jax.Array, np.ndarray)) and key.dtype == jnp.uint32 and key.shape == (2,):
+        return jax.random.bits(key, (2,), jnp.uint32)
+    raise TypeError(
+        f"{name} must be a JAX PRNG key (jax.random.key(0) or jax.random.PRNGKey(0)), got "
+        f"{key!r:.80} of type {type(key).__name__}")
+
+
+def rounding_seed(codec: Codec, key):
+    """The seed of one encode with ``codec``: from ``key`` for stochastic rounding (which
+    needs one), zeros for nearest rounding (which draws no noise)."""
+    if codec.stochastic:
+        if key is None:
+            raise ValueError(
+                "stochastic rounding needs a PRNG key: pass key=jax.random.key(...) or use "
+                "Codec(rounding='nearest')")
+        return seed_bits(key)
+    return jnp.zeros((2,), jnp.uint32)
+
+
+def phase_seeds(key, group_number: int, participant, phases: int):
+    """``uint32[phases, 2]``: one seed per quantization phase of one participant's reduction
+    of fused group ``group_number``; ``key`` None (nearest rounding) gives zeros."""
+    if key is None:
+        return jnp.zeros((phases, 2), jnp.uint32)
+    key = jax.random.fold_in(jax.random.fold_in(key, group_number), participant)
+    return jnp.stack([seed_bits(jax.random.fold_in(key, phase)) for phase in range(phases)])
