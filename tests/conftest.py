@@ -1,4 +1,6 @@
-"""Test setup: 8 simulated CPU devices, set before jax is imported anywhere."""
+"""Test setup: 8 simulated CPU devices, set before jax is imported anywhere; and the fixtures the
+test modules share. Plain helpers are in helpers.py (meshes, codec comparisons, processes) and
+models.py (the Flax model and training data)."""
 
 import os
 
@@ -7,16 +9,7 @@ os.environ["XLA_FLAGS"] = (
 ).strip()
 
 import jax  # noqa: E402
-import numpy as np  # noqa: E402
 import pytest  # noqa: E402
-from jax.sharding import Mesh  # noqa: E402
-
-
-def cpu_mesh(num_devices: int, axis_names=("batch",)) -> Mesh:
-    """A mesh over the first ``num_devices`` CPU devices (on a GPU machine too)."""
-    devices = np.array(jax.devices("cpu")[:num_devices])
-    shape = (num_devices,) if len(axis_names) == 1 else (2, num_devices // 2)
-    return Mesh(devices.reshape(shape), axis_names)
 
 
 @pytest.fixture(scope="session")
@@ -24,3 +17,11 @@ def cpu_devices():
     devices = jax.devices("cpu")
     assert len(devices) >= 8, "tests need XLA_FLAGS=--xla_force_host_platform_device_count=8"
     return devices
+
+
+@pytest.fixture
+def cpu_default_device():
+    """Runs the test with the CPU device as JAX's default device, also on a machine with a GPU
+    (the kernel tests compare CPU kernels with the numpy model)."""
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield

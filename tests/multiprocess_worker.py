@@ -1,4 +1,5 @@
-"""Worker for tests/test_multiprocess.py, run under ``python -m cgx_jax.launch``:
+"""Worker for tests/test_multiprocess.py and tests/test_launch.py (through helpers.py's
+launch_worker), run under ``python -m cgx_jax.launch``:
 
     python tests/multiprocess_worker.py OUT_DIR MODE
 

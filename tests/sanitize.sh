@@ -22,9 +22,13 @@ CGX_JAX_SANITIZE=ON CGX_JAX_CUDA=OFF pip install --no-build-isolation --no-deps 
 
 echo "=== kernel tests under ASan + UBSan ==="
 # Python itself is not instrumented: preload the runtimes, and skip leak checking (the
-# interpreter keeps memory alive at exit by design).
+# interpreter keeps memory alive at exit by design). The test of the process's peak memory is
+# left out: ASan's quarantine keeps freed memory, so the peak grows by design.
 LD_PRELOAD="$(gcc -print-file-name=libasan.so):$(gcc -print-file-name=libubsan.so)" \
 ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 \
 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
   python -m pytest -q -p no:cacheprovider -o addopts="" \
-    tests/test_fuzz_kernels.py tests/test_kernels.py tests/test_collectives.py "$@"
+    tests/test_backends_ffi_fuzz.py tests/test_backends_ffi.py tests/test_backends_pure_jax.py \
+    tests/test_api.py tests/test_collectives.py tests/test_collectives_transport.py \
+    --deselect tests/test_api.py::test_memory_does_not_grow_over_10000_calls_with_fresh_keys \
+    "$@"

@@ -1,5 +1,7 @@
-"""Adaptive layer-wise compression: layer_errors, the fit_policy dynamic program against brute
-force, the fit on a ViT-like block's gradients, and adaptive training on 8 devices."""
+"""adaptive/ (measure.py, fit.py, schedule.py), adaptive layer-wise compression (docs/design.md
+section 7): layer_errors measures the real codec, the fit_policy dynamic program (knapsack)
+against brute force, the fit on a ViT-like block's gradients, adaptive training with refits
+on 8 devices, and bad arguments."""
 
 import itertools
 
@@ -10,9 +12,11 @@ import optax
 import pytest
 
 import cgx_jax as cgx
-from cgx_jax.adaptive.fit import knapsack as _knapsack
-from test_optax import (CPU, NUM_DEVICES, LinenBlock, init_params, loss_fn, replicate,
-                        tail_loss, teacher_data)
+from cgx_jax.adaptive.fit import knapsack
+from models import (NUM_DEVICES, LinenBlock, init_params, loss_fn, replicate, tail_loss,
+                    teacher_data)
+
+CPU = jax.devices("cpu")
 
 CHOICES = (2, 3, 4, 5, 6, 8)
 
@@ -76,7 +80,7 @@ def test_knapsack_is_optimal_against_brute_force():
         feasible = [(values[range(rows), a].sum(), a)
                     for a in itertools.product(range(cols), repeat=rows)
                     if costs[range(rows), a].sum() <= capacity]
-        chosen = _knapsack(values, costs, capacity)
+        chosen = knapsack(values, costs, capacity)
         if not feasible:
             assert chosen is None
             continue

@@ -1,8 +1,8 @@
-"""``python -m cgx_jax.bench allreduce``: argument parsing, the report arithmetic, an unshaped
-end-to-end run across real processes (flat and hierarchical), and, where this machine allows
-network namespaces (root), the shaped topology: it is built as described, carries traffic
-between namespaces, and is removed afterwards, also when the workers time out or the
-benchmark gets SIGTERM."""
+"""``python -m cgx_jax.bench allreduce`` (bench/allreduce.py, bench/common.py; docs/design.md
+section 9): argument parsing, the report arithmetic, an unshaped end-to-end run across real
+processes (flat and hierarchical), and, where this machine allows network namespaces (root),
+that a shaped run removes its network also when the workers time out or the benchmark gets
+SIGTERM (the network itself is tested in test_netem.py)."""
 
 import argparse
 import json
@@ -13,11 +13,10 @@ import time
 
 import pytest
 
-from cgx_jax.bench import allreduce as bench
 from cgx_jax import netem
-
-PREFIX = "cgxtest"  # not the benchmark's default, so a benchmark running meanwhile is safe
-SUBNET = "10.213.77"
+from cgx_jax.bench import allreduce
+from cgx_jax.bench.common import parse_size, size_label
+from processes import NETNS_PREFIX, NETNS_SUBNET, needs_netns, own_namespaces
 
 
 def run_cli(*args, timeout=240):
@@ -27,23 +26,15 @@ def run_cli(*args, timeout=240):
                           capture_output=True, text=True, timeout=timeout, env=env)
 
 
-def ours():
-    return netem.namespaces(PREFIX)
-
-
-needs_netns = pytest.mark.skipif(not netem.can_shape()[0],
-                                 reason=f"network namespaces unavailable: {netem.can_shape()[1]}")
-
-
 def test_parse_size_and_rate():
-    assert [bench.parse_size(s) for s in ("4096", "64K", "1M", "16m")] == [
+    assert [parse_size(s) for s in ("4096", "64K", "1M", "16m")] == [
         4096, 65536, 1 << 20, 16 << 20]
-    assert [bench.size_label(s) for s in (4096, 65536, 1 << 20, 3000)] == [
+    assert [size_label(s) for s in (4096, 65536, 1 << 20, 3000)] == [
         "4K", "64K", "1M", "3000"]
     assert netem.parse_rate("1gbit") == 1e9
     assert netem.parse_rate("100mbit") == 1e8
     assert netem.parse_rate("none") is None
-    for bad, parse in (("16 MB", bench.parse_size), ("-1", bench.parse_size),
+    for bad, parse in (("16 MB", parse_size), ("-1", parse_size),
                        ("1gb", netem.parse_rate), ("fast", netem.parse_rate)):
         with pytest.raises(argparse.ArgumentTypeError, match=repr(bad)):
             parse(bad)
@@ -58,7 +49,7 @@ def test_parse_size_and_rate():
 ])
 def test_bad_arguments_exit_with_a_message(args, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        bench.main(args)
+        allreduce.main(args)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
 
@@ -75,7 +66,7 @@ def synthetic_rows():
 
 
 def test_ratios_table_markdown_and_plot(tmp_path):
-    rows = bench.add_ratios(synthetic_rows(), num_participants=4)
+    rows = allreduce.add_ratios(synthetic_rows(), num_participants=4)
     by = {(r["link"], r["method"]): r for r in rows}
     assert by[("1gbit", "cgx sra 4b")]["vs_f32"] == pytest.approx(5.0)
     assert by[("1gbit", "cgx sra 4b")]["vs_bf16"] == pytest.approx(5.5)
@@ -83,14 +74,14 @@ def test_ratios_table_markdown_and_plot(tmp_path):
     # algbw: 2(N-1)/N * 4 bytes * size / time
     assert by[("1gbit", "psum f32")]["algbw_gb_per_s"] == pytest.approx(
         1.5 * 4 * (16 << 20) / 0.8 / 1e9)
-    table = bench.format_table(rows)
+    table = allreduce.format_table(rows)
     assert "cgx sra 4b" in table and "5.00" in table
-    markdown = bench.format_markdown(rows, "title")
+    markdown = allreduce.format_markdown(rows, "title")
     assert "| 1gbit | 16M | cgx sra 4b | 160.00 |" in markdown
     assert "promoted the bf16 all-reduce to f32" in markdown
     pytest.importorskip("matplotlib")
     path = tmp_path / "speedup.png"
-    bench.plot(rows, str(path), "title")
+    allreduce.plot(rows, str(path), "title")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -126,54 +117,13 @@ def test_unshaped_run_flat_and_hierarchical(tmp_path):
 
 
 @needs_netns
-def test_network_is_built_carries_traffic_and_is_removed():
-    assert not ours(), f"stale namespaces from an earlier run: {ours()}"
-    network = netem.Network(2, 1e8, "100mbit", subnet=SUBNET, prefix=PREFIX)
-    try:
-        network.create()
-        assert ours() == {f"{PREFIX}0", f"{PREFIX}1", f"{PREFIX}hub"}
-        qdisc = subprocess.run(["ip", "netns", "exec", f"{PREFIX}0", "tc", "qdisc", "show"],
-                               capture_output=True, text=True).stdout
-        assert "tbf" in qdisc and "100Mbit" in qdisc, qdisc
-        with open(f"/etc/netns/{PREFIX}1/hosts") as f:
-            assert f"{SUBNET}.2 " in f.read()
-        # A TCP round trip from namespace 1 to namespace 0's address, through the bridge.
-        server = subprocess.Popen(
-            ["ip", "netns", "exec", f"{PREFIX}0", sys.executable, "-c",
-             "import socket; s = socket.create_server(('" + SUBNET + ".1', 23999)); "
-             "c, _ = s.accept(); c.sendall(c.recv(16))"])
-        try:
-            client = None
-            for _ in range(50):
-                client = subprocess.run(
-                    ["ip", "netns", "exec", f"{PREFIX}1", sys.executable, "-c",
-                     "import socket; c = socket.create_connection(('" + SUBNET + ".1', 23999),"
-                     " timeout=5); c.sendall(b'ping'); print(c.recv(16).decode())"],
-                    capture_output=True, text=True)
-                if client.returncode == 0:
-                    break
-                time.sleep(0.1)
-            assert client.stdout.strip() == "ping", client.stderr
-        finally:
-            server.kill()
-            server.wait()
-        with pytest.raises(RuntimeError, match="exist already"):
-            netem.Network(2, 1e8, "100mbit", subnet=SUBNET, prefix=PREFIX).create()
-    finally:
-        problems = network.remove()
-    assert problems == []
-    assert not ours()
-    assert not os.path.exists(f"/etc/netns/{PREFIX}0")
-
-
-@needs_netns
 def test_shaped_run_removes_the_network_when_workers_time_out():
     done = run_cli("--processes", "2", "--link", "100mbit", "--sizes", "4096", "--bits", "4",
                    "--repeats", "1", "--torch", "no", "--timeout", "1",
-                   "--netns-prefix", PREFIX, "--subnet", SUBNET)
+                   "--netns-prefix", NETNS_PREFIX, "--subnet", NETNS_SUBNET)
     assert done.returncode == 124, done.stderr[-3000:]
     assert "timed out" in done.stderr
-    assert not ours()
+    assert not own_namespaces()
 
 
 @needs_netns
@@ -183,13 +133,13 @@ def test_shaped_run_removes_the_network_on_sigterm():
     process = subprocess.Popen(
         [sys.executable, "-m", "cgx_jax.bench", "allreduce", "--processes", "2", "--link",
          "100mbit", "--sizes", "16M", "--repeats", "50", "--torch", "no", "--netns-prefix",
-         PREFIX, "--subnet", SUBNET], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+         NETNS_PREFIX, "--subnet", NETNS_SUBNET], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True, env=env)
     try:
         deadline = time.monotonic() + 60
-        while f"{PREFIX}1" not in ours() and time.monotonic() < deadline:
+        while f"{NETNS_PREFIX}1" not in own_namespaces() and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert f"{PREFIX}1" in ours()
+        assert f"{NETNS_PREFIX}1" in own_namespaces()
         time.sleep(1.0)  # the workers are starting inside the namespaces
         process.terminate()
         _, err = process.communicate(timeout=60)
@@ -198,4 +148,4 @@ def test_shaped_run_removes_the_network_on_sigterm():
             process.kill()
     assert process.returncode == 130, err[-3000:]
     assert "interrupted" in err
-    assert not ours()
+    assert not own_namespaces()

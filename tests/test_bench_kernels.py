@@ -1,5 +1,6 @@
-"""``python -m cgx_jax.bench kernels``: sizes with suffixes, checked arguments, and a small
-run whose JSON rows cover every kernel and bit width against the copy baseline."""
+"""``python -m cgx_jax.bench kernels`` (bench/kernels.py; docs/design.md section 9): sizes with
+suffixes, checked arguments, and a small run whose JSON rows cover every kernel and bit width
+against the copy baseline."""
 
 import json
 import subprocess

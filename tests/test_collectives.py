@@ -1,4 +1,11 @@
-"""compressed_psum / compressed_pmean against lax.psum and numpy, inside pmap and shard_map."""
+"""collectives/: the algorithms, run through compressed_psum on simulated CPU devices
+(docs/design.md section 4): SRA and all-gather within their two-quantization bound, the ring
+within its hop bound, "auto", and the hierarchical reduction (inner_axis_name=) within the
+outer algorithm's bound; bitwise-identical replicas, exact constant buckets, local errors that
+add up to the total error, gradients that are lax.psum's (straight-through) for every
+algorithm and backend, pytrees, pmap, and the hierarchical bad arguments. The transport
+(exchange_rows, gather_packets) is tested in test_collectives_transport.py.
+"""
 
 import functools
 
@@ -10,19 +17,23 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import cgx_jax as cgx
-from cgx_jax.collectives.transport import SWAP_PIECE_BYTES, exchange_rows, gather_packets
-from conftest import cpu_mesh
+from cgx_jax.api import reduce_tree
+from helpers import cpu_mesh, run_sharded
 
 
-def run_sharded(fn, stacked, num_devices, *args):
-    """Runs fn(per_device_value, *args) under shard_map over `num_devices` CPU devices and
-    returns the per-device outputs stacked on a new leading axis."""
-    mesh = cpu_mesh(num_devices)
-    mapped = jax.shard_map(
-        lambda x, *a: jax.tree.map(lambda v: v[None], fn(jax.tree.map(lambda v: v[0], x), *a)),
-        mesh=mesh, in_specs=(P("batch"),) + (P(),) * len(args), out_specs=P("batch"))
-    out = jax.jit(mapped)(stacked, *args)
-    return jax.block_until_ready(out)
+# ---------------------------------------------------------------------------
+# Error bounds
+# ---------------------------------------------------------------------------
+
+def per_step(codec):
+    return 0.5 if codec.rounding == "nearest" else 1.0
+
+
+def pad_rows(inputs, multiple):
+    """Pads [N, L] rows to a multiple by repeating each row's last value (as the library)."""
+    n = inputs.shape[1]
+    padded = -(-n // multiple) * multiple
+    return np.concatenate([inputs, np.repeat(inputs[:, -1:], padded - n, axis=1)], axis=1)
 
 
 def bucket_units(values, codec):
@@ -49,12 +60,45 @@ def error_bound(inputs, codec, algorithm):
     return first + second + 1e-5 * (np.abs(inputs).sum(0) + 1)
 
 
-CODECS = [
+def ring_bound(inputs, codec):
+    """Per-element bound for the ring on padded inputs [N, L] (L % (N*B) == 0).
+
+    Chunk c is encoded N times; the k-th encode holds the partial sum of contributors
+    c+1, ..., c+k (mod N), and its bucket unit is at most the sum of their raw units
+    (decoded values stay inside the encoded range). So the error is at most
+    r * sum_k sum_{m<=k} u_{c+m} = r * sum_m (N-m+1) u_{c+m}, r = 1/2 (nearest) or 1.
+    """
+    num, length = inputs.shape
+    units = bucket_units(inputs, codec)  # [N, L]
+    chunk_of = np.arange(length) // (length // num)
+    weights = np.zeros((num, length))
+    for m in range(1, num + 1):  # contributor m of chunk c is participant (c + m) % N
+        weights[(chunk_of + m) % num, np.arange(length)] = num - m + 1
+    return (per_step(codec) * (weights * units).sum(0)
+            + 1e-5 * num * (np.abs(inputs).sum(0) + 1))
+
+
+CODECS = [  # of SRA and all-gather
     cgx.Codec(bits=4, bucket_size=128, rounding="nearest"),
     cgx.Codec(bits=2, bucket_size=64, rounding="stochastic"),
     cgx.Codec(bits=8, bucket_size=1024, rounding="stochastic"),
 ]
+RING_CODECS = [
+    cgx.Codec(bits=4, bucket_size=128, rounding="nearest"),
+    cgx.Codec(bits=2, bucket_size=64, rounding="stochastic"),
+]
+RING_CODEC_IDS = [f"{c.bits}b{c.bucket_size}{c.rounding[0]}" for c in RING_CODECS]
 
+
+def assert_replicas_identical(out):
+    out = np.asarray(out)
+    for replica in out[1:]:
+        np.testing.assert_array_equal(replica.view(np.uint32), out[0].view(np.uint32))
+
+
+# ---------------------------------------------------------------------------
+# SRA and all-gather
+# ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("num_devices", [1, 2, 3, 8])
 @pytest.mark.parametrize("algorithm", ["sra", "allgather"])
@@ -94,93 +138,247 @@ def test_constant_buckets_are_exact(algorithm):
     np.testing.assert_array_equal(np.asarray(out[3]), inputs.sum(0).astype(np.float32))
 
 
-def test_pmap_matches_shard_map_and_same_key_same_bytes():
-    codec = cgx.Codec(bits=3, bucket_size=256)
-    inputs = jax.random.normal(jax.random.key(0), (8, 3000))
-    key = jax.random.key(42)
-    psum = lambda x: cgx.compressed_psum(x, "batch", codec=codec, key=key)
-    via_pmap = jax.pmap(psum, axis_name="batch", devices=jax.devices("cpu"))(inputs)
-    via_shard_map = run_sharded(psum, inputs, 8)
-    again = run_sharded(psum, inputs, 8)
-    np.testing.assert_array_equal(np.asarray(via_pmap), np.asarray(via_shard_map))
-    np.testing.assert_array_equal(np.asarray(again), np.asarray(via_shard_map))
-    other_key = run_sharded(
-        lambda x: cgx.compressed_psum(x, "batch", codec=codec, key=jax.random.key(43)), inputs, 8)
-    assert not np.array_equal(np.asarray(other_key), np.asarray(via_shard_map))
+# ---------------------------------------------------------------------------
+# Ring
+# ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("num_devices", [1, 2, 3, 8])
+@pytest.mark.parametrize("codec", RING_CODECS, ids=RING_CODEC_IDS)
+def test_ring_within_hop_bound_and_replicas_identical(num_devices, codec):
+    n = 3 * 1024 + 41
+    rng = np.random.default_rng(10 + num_devices)
+    inputs = rng.normal(size=(num_devices, n)).astype(np.float32)
+    inputs[:, 300:700] *= 40
+    out = np.asarray(run_sharded(
+        lambda x, k: cgx.compressed_psum(x, "batch", codec=codec, key=k, algorithm="ring"),
+        jnp.asarray(inputs), num_devices, jax.random.key(3)))
+    assert out.shape == (num_devices, n) and out.dtype == np.float32
+    assert_replicas_identical(out)
+    padded = pad_rows(inputs, codec.bucket_size * num_devices)
+    bound = ring_bound(padded, codec)[:n]
+    error = np.abs(out[0].astype(np.float64) - inputs.astype(np.float64).sum(0))
+    assert np.all(error <= bound), f"max excess {np.max(error - bound)}"
+    if num_devices > 1:
+        assert np.max(error) > 0
+    if num_devices == 8:  # the hop bound is looser than SRA's: more encodes of wider sums
+        assert np.mean(bound) > np.mean(error_bound(padded, codec, "sra")[:n])
 
 
-def test_ffi_and_jax_backends_agree():
-    codec = cgx.Codec(bits=4, bucket_size=128, rounding="nearest")
-    inputs = jax.random.normal(jax.random.key(3), (8, 4096))
-    results = {
-        backend: np.asarray(run_sharded(
-            lambda x: cgx.compressed_psum(x, "batch", codec=codec, backend=backend), inputs, 8))
-        for backend in ("ffi", "jax")}
-    unit_bound = 8 * float(jnp.max(jnp.abs(inputs))) * 2 / 15  # a level step of the sum
-    diff = np.abs(results["ffi"] - results["jax"])
-    assert np.max(diff) <= unit_bound
-    # XLA rewrites the jnp float arithmetic (reciprocals, fused multiply-adds), so values
-    # differ by ulps everywhere and by a whole level only at rounding boundaries.
-    level_steps = diff > 1e-3 * unit_bound
-    assert np.mean(level_steps) < 0.01, np.mean(level_steps)
+def test_ring_differs_from_sra_and_depends_on_the_key():
+    codec = cgx.Codec(bits=3, bucket_size=64)
+    inputs = jax.random.normal(jax.random.key(0), (4, 2048))
+    run = lambda algorithm, seed: np.asarray(run_sharded(
+        lambda x: cgx.compressed_psum(x, "batch", codec=codec, key=jax.random.key(seed),
+                                      algorithm=algorithm), inputs, 4))
+    ring = run("ring", 1)
+    np.testing.assert_array_equal(run("ring", 1), ring)
+    assert not np.array_equal(run("ring", 2), ring)
+    assert not np.array_equal(run("sra", 1), ring)
 
 
-def test_pytree_mixed_dtypes_scalars_empty_and_integer_leaves():
+def test_ring_pmap_matches_shard_map():
+    codec = cgx.Codec(bits=4, bucket_size=256)
+    inputs = jax.random.normal(jax.random.key(1), (8, 3000))
+    psum = lambda x: cgx.compressed_psum(x, "batch", codec=codec, key=jax.random.key(5),
+                                         algorithm="ring")
+    via_pmap = jax.block_until_ready(
+        jax.pmap(psum, axis_name="batch", devices=jax.devices("cpu"))(inputs))
+    np.testing.assert_array_equal(np.asarray(via_pmap), np.asarray(run_sharded(psum, inputs, 8)))
+    assert_replicas_identical(via_pmap)
+
+
+def test_ring_pytree_and_pmean():
     codec = cgx.Codec(bits=8, bucket_size=64, rounding="nearest")
     tree = {
-        "w": jnp.linspace(-1, 1, 8 * 300).reshape(8, 30, 10),
-        "half": jnp.linspace(0, 2, 8 * 100, dtype=jnp.float16).reshape(8, 100),
-        "brain": [jnp.linspace(-4, 4, 8 * 65, dtype=jnp.bfloat16).reshape(8, 65)],
-        "scalar": jnp.arange(8, dtype=jnp.float32),
-        "empty": jnp.zeros((8, 0)),
-        "count": jnp.arange(8 * 3, dtype=jnp.int32).reshape(8, 3),
+        "w": jnp.linspace(-1, 1, 5 * 300).reshape(5, 30, 10),
+        "half": jnp.linspace(0, 2, 5 * 100, dtype=jnp.bfloat16).reshape(5, 100),
+        "count": jnp.arange(5 * 3, dtype=jnp.int32).reshape(5, 3),
+        "empty": jnp.zeros((5, 0)),
     }
-    out = run_sharded(lambda t: cgx.compressed_psum(t, "batch", codec=codec), tree, 8)
-    assert jax.tree.structure(out) == jax.tree.structure(tree)
-    for got, want in zip(jax.tree.leaves(out), jax.tree.leaves(tree)):
+    total = run_sharded(lambda t: cgx.compressed_psum(t, "batch", codec=codec,
+                                                      algorithm="ring"), tree, 5)
+    mean = run_sharded(lambda t: cgx.compressed_pmean(t, "batch", codec=codec,
+                                                      algorithm="ring"), tree, 5)
+    assert jax.tree.structure(total) == jax.tree.structure(tree)
+    for got, want in zip(jax.tree.leaves(total), jax.tree.leaves(tree)):
         assert got.shape == want.shape and got.dtype == want.dtype
         exact = np.asarray(want, np.float64).sum(0)
-        got0 = np.asarray(got[0], np.float64)
         if want.dtype == jnp.int32:
-            np.testing.assert_array_equal(got0, exact)  # integers reduced exactly
+            np.testing.assert_array_equal(np.asarray(got[2]), exact)
         elif want.size:
-            scale = 8 * np.max(np.abs(np.asarray(want, np.float64))) / 255 + 0.02 * np.abs(exact)
-            assert np.all(np.abs(got0 - exact) <= scale + 1e-6)
-    # The scalar leaf (one value per device) is a constant bucket: exact.
-    np.testing.assert_array_equal(np.asarray(out["scalar"][0]), np.float32(28))
+            # 5 encodes of ranges up to 5 * 2: r * 15 * unit of one input (8 bits).
+            unit = 2 * np.max(np.abs(np.asarray(want, np.float64))) / 255
+            tolerance = 0.5 * 15 * unit + 0.01 * np.abs(exact) + 1e-5
+            assert np.all(np.abs(np.asarray(got[2], np.float64) - exact) <= tolerance)
+    np.testing.assert_allclose(np.asarray(mean["w"]), np.asarray(total["w"]) / 5, rtol=1e-6)
 
 
-def test_pmean_is_psum_divided_by_participants():
+def test_ring_local_errors_add_up_to_the_total_error():
+    codec = cgx.Codec(bits=2, bucket_size=64)
+    inputs = jax.random.normal(jax.random.key(4), (3, 64 * 3 * 4))
+    out, lost = run_sharded(
+        lambda x: reduce_tree(x, "batch", codec=codec, policy=None, key=jax.random.key(0),
+                              algorithm="ring", backend="ffi", mean=False, local_error=True),
+        inputs, 3)
+    exact = np.asarray(inputs, np.float64).sum(0)
+    np.testing.assert_allclose(np.asarray(lost, np.float64).sum(0) + np.asarray(out[0]), exact,
+                               atol=1e-4)
+    assert np.max(np.abs(np.asarray(lost))) > 0.1
+
+
+def test_grad_through_ring_is_a_psum():
+    codec = cgx.Codec(bits=2, bucket_size=64, rounding="nearest")
+
+    def loss(x):
+        return jnp.sum(cgx.compressed_psum(x, "batch", codec=codec, algorithm="ring")
+                       * jnp.arange(x.size))
+
+    grads = jax.pmap(jax.grad(loss), axis_name="batch", devices=jax.devices("cpu")[:3])(
+        jax.random.normal(jax.random.key(9), (3, 64)))
+    np.testing.assert_array_equal(np.asarray(grads), np.broadcast_to(np.arange(64) * 3.0, (3, 64)))
+
+
+# ---------------------------------------------------------------------------
+# auto
+# ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("num_devices, same_as", [(2, "allgather"), (3, "sra")])
+def test_auto_is_allgather_for_two_and_sra_beyond(num_devices, same_as):
+    codec = cgx.Codec(bits=4, bucket_size=64)
+    inputs = jax.random.normal(jax.random.key(6), (num_devices, 1000))
+    kwargs = lambda algorithm: {} if algorithm is None else {"algorithm": algorithm}
+    run = lambda algorithm: np.asarray(run_sharded(
+        lambda x: cgx.compressed_psum(x, "batch", codec=codec, key=jax.random.key(2),
+                                      **kwargs(algorithm)), inputs, num_devices))
+    np.testing.assert_array_equal(run("auto"), run(same_as))
+    np.testing.assert_array_equal(run(None), run(same_as))  # "auto" is the default
+    assert not np.array_equal(run("allgather"), run("sra"))  # the choice is visible
+
+
+# ---------------------------------------------------------------------------
+# Hierarchical
+# ---------------------------------------------------------------------------
+
+def mesh_2d(outer, inner):
+    return cpu_mesh(outer * inner, ("outer", "inner"), (outer, inner))
+
+
+def run_2d(fn, stacked, outer, inner, *args):
+    """fn(per_device_value, *args) under shard_map over an (outer, inner) mesh; device
+    (o, i) gets row o * inner + i; returns the per-device outputs stacked the same way."""
+    spec = P(("outer", "inner"))
+    mapped = jax.shard_map(
+        lambda x, *a: jax.tree.map(lambda v: v[None], fn(jax.tree.map(lambda v: v[0], x), *a)),
+        mesh=mesh_2d(outer, inner), in_specs=(spec,) + (P(),) * len(args), out_specs=spec)
+    return jax.block_until_ready(jax.jit(mapped)(stacked, *args))
+
+
+def hierarchical_bound(inputs, outer, inner, codec, algorithm):
+    """The outer algorithm's bound applied to the exact inner sums (padded as the library)."""
+    multiple = inner * codec.bucket_size * (1 if algorithm == "allgather" else outer)
+    padded = pad_rows(inputs, multiple)
+    inner_sums = padded.astype(np.float64).reshape(outer, inner, -1).sum(1)
+    if algorithm == "ring":
+        return ring_bound(inner_sums, codec)
+    return error_bound(inner_sums, codec, algorithm)
+
+
+@pytest.mark.parametrize("outer, inner", [(2, 4), (4, 2)])
+@pytest.mark.parametrize("algorithm", ["sra", "allgather", "ring"])
+def test_hierarchical_within_outer_bound_and_identical_everywhere(outer, inner, algorithm):
+    codec = cgx.Codec(bits=3, bucket_size=64, rounding="stochastic")
+    n = 2 * 1024 + 19
+    rng = np.random.default_rng(outer)
+    inputs = rng.normal(size=(8, n)).astype(np.float32)
+    inputs[:, 50:250] *= 20
+    out = np.asarray(run_2d(
+        lambda x, k: cgx.compressed_psum(x, "outer", inner_axis_name="inner", codec=codec,
+                                         key=k, algorithm=algorithm),
+        jnp.asarray(inputs), outer, inner, jax.random.key(11)))
+    assert out.shape == (8, n) and out.dtype == np.float32
+    assert_replicas_identical(out)
+    bound = hierarchical_bound(inputs, outer, inner, codec, algorithm)[:n]
+    error = np.abs(out[0].astype(np.float64) - inputs.astype(np.float64).sum(0))
+    assert np.all(error <= bound), f"max excess {np.max(error - bound)}"
+    assert np.max(error) > 0
+
+
+@pytest.mark.parametrize("outer, inner", [(2, 4), (4, 2)])
+def test_hierarchical_is_outer_reduction_of_exact_inner_sums_bitwise(outer, inner):
+    # Nearest rounding and all-gather quantize every bucket on its own, so the
+    # hierarchical result must equal, bit for bit, a compressed_psum over the outer axis of
+    # the same exact inner sums.
+    codec = cgx.Codec(bits=4, bucket_size=64, rounding="nearest")
+    inputs = jax.random.normal(jax.random.key(8), (8, inner * 64 * 5))
+
+    def both(x):
+        hierarchical = cgx.compressed_psum(x, "outer", inner_axis_name="inner", codec=codec,
+                                           algorithm="allgather")
+        sums = lax.all_gather(lax.psum_scatter(x, "inner", scatter_dimension=0, tiled=True),
+                              "inner", axis=0, tiled=True)
+        return hierarchical, cgx.compressed_psum(sums, "outer", codec=codec,
+                                                 algorithm="allgather")
+
+    hierarchical, reference = run_2d(both, inputs, outer, inner)
+    np.testing.assert_array_equal(np.asarray(hierarchical), np.asarray(reference))
+    assert not np.array_equal(np.asarray(hierarchical[0]), np.asarray(inputs).sum(0))
+
+
+def test_hierarchical_pytree_pmean_and_exact_leaves():
     codec = cgx.Codec(bits=8, bucket_size=64, rounding="nearest")
-    inputs = jax.random.normal(jax.random.key(5), (6, 500))
-    tree = {"x": inputs, "n": jnp.full((6, 2), 3.0)}
-    total = run_sharded(lambda t: cgx.compressed_psum(t, "batch", codec=codec), tree, 6)
-    mean = run_sharded(lambda t: cgx.compressed_pmean(t, "batch", codec=codec), tree, 6)
-    np.testing.assert_allclose(np.asarray(mean["x"]), np.asarray(total["x"]) / 6, rtol=1e-6)
-    np.testing.assert_array_equal(np.asarray(mean["n"]), np.full((6, 2), 3.0))
+    tree = {"w": jax.random.normal(jax.random.key(1), (8, 40, 30)),
+            "half": jnp.linspace(-3, 3, 8 * 200, dtype=jnp.float16).reshape(8, 200),
+            "count": jnp.arange(8 * 4, dtype=jnp.int32).reshape(8, 4),
+            "bias": jnp.arange(8 * 7, dtype=jnp.float32).reshape(8, 7)}
+    policy = cgx.LayerPolicy(default=codec, min_size=0, exclude=("bias",))
+    psum = lambda t: cgx.compressed_psum(t, "outer", inner_axis_name="inner", policy=policy)
+    pmean = lambda t: cgx.compressed_pmean(t, "outer", inner_axis_name="inner", policy=policy)
+    total, mean = run_2d(lambda t: (psum(t), pmean(t)), tree, 2, 4)
+    assert jax.tree.structure(total) == jax.tree.structure(tree)
+    for got, want in zip(jax.tree.leaves(total), jax.tree.leaves(tree)):
+        assert got.shape == want.shape and got.dtype == want.dtype
+    np.testing.assert_array_equal(np.asarray(total["count"][5]), np.asarray(tree["count"]).sum(0))
+    np.testing.assert_array_equal(np.asarray(total["bias"][5]), np.asarray(tree["bias"]).sum(0))
+    np.testing.assert_array_equal(np.asarray(mean["bias"][3]), np.asarray(tree["bias"]).mean(0))
+    exact = np.asarray(tree["w"], np.float64).sum(0)
+    # Two encodes (SRA, outer size 2) of ranges up to the inner sums' range.
+    tolerance = 3 * np.ptp(np.asarray(tree["w"]).reshape(2, 4, -1).sum(1)) / 255 + 1e-4
+    assert np.max(np.abs(np.asarray(total["w"][0]) - exact)) <= tolerance
+    np.testing.assert_allclose(np.asarray(mean["w"]), np.asarray(total["w"]) / 8, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(mean["half"], np.float32),
+                               np.asarray(total["half"], np.float32) / 8, rtol=2e-3)
 
 
-def test_tuple_of_mesh_axes_is_one_group():
-    codec = cgx.Codec(bits=8, bucket_size=64, rounding="nearest")
-    mesh = cpu_mesh(8, ("outer", "inner"))
-    inputs = jax.random.normal(jax.random.key(2), (8, 640))
-    fn = jax.jit(jax.shard_map(
-        lambda x: cgx.compressed_psum(x, ("outer", "inner"), codec=codec),
-        mesh=mesh, in_specs=P(("outer", "inner")), out_specs=P(("outer", "inner"))))
-    out = np.asarray(fn(inputs)).reshape(8, 640)
-    exact = np.asarray(inputs).sum(0)
-    assert np.max(np.abs(out[5] - exact)) < 8 * 2 * float(jnp.max(jnp.abs(inputs))) / 255 * 2
-    for replica in out[1:]:
-        np.testing.assert_array_equal(replica, out[0])
+def test_hierarchical_grad_is_the_grad_of_a_psum_over_both_axes():
+    codec = cgx.Codec(bits=2, bucket_size=64, rounding="nearest")
+
+    def loss(x, psum):
+        return jnp.sum(psum(x) * jnp.arange(x.size))
+
+    compressed = lambda x: cgx.compressed_psum(x, "outer", inner_axis_name="inner", codec=codec)
+    exact = lambda x: lax.psum(x, ("outer", "inner"))
+    inputs = jax.random.normal(jax.random.key(3), (8, 64))
+    grads = run_2d(lambda x: jax.grad(loss)(x, compressed), inputs, 4, 2)
+    want = run_2d(lambda x: jax.grad(loss)(x, exact), inputs, 4, 2)
+    np.testing.assert_array_equal(np.asarray(grads), np.asarray(want))
+    assert np.any(np.asarray(want) != 0)
 
 
-def test_default_policy_keeps_small_and_1d_leaves_exact():
-    tree = {"kernel": jnp.ones((8, 256, 128)) * jnp.arange(128), "bias": jnp.ones((8, 128)) * jnp.arange(128) / 4}
-    out = run_sharded(
-        lambda t, k: cgx.compressed_psum(t, "batch", key=k), tree, 8, jax.random.key(0))
-    np.testing.assert_array_equal(np.asarray(out["bias"][0]), 2.0 * np.arange(128, dtype=np.float32))
-    assert not np.array_equal(np.asarray(out["kernel"][0]), np.asarray(tree["kernel"].sum(0)))
+def test_hierarchical_ring_local_errors_add_up():
+    codec = cgx.Codec(bits=2, bucket_size=64)
+    inputs = jax.random.normal(jax.random.key(5), (8, 64 * 8 * 2))
+    out, lost = run_2d(
+        lambda x: reduce_tree(x, "outer", codec=codec, policy=None, key=jax.random.key(0),
+                              algorithm="ring", backend="ffi", mean=False, local_error=True,
+                              inner_axis_name="inner"), inputs, 4, 2)
+    exact = np.asarray(inputs, np.float64).sum(0)
+    np.testing.assert_allclose(np.asarray(lost, np.float64).sum(0) + np.asarray(out[0]), exact,
+                               atol=1e-4)
 
+
+# ---------------------------------------------------------------------------
+# Gradients of every algorithm and backend
+# ---------------------------------------------------------------------------
 
 def test_grad_through_compressed_psum_is_a_psum():
     codec = cgx.Codec(bits=2, bucket_size=64, rounding="nearest")
@@ -214,151 +412,31 @@ def test_grad_under_shard_map_matches_psum_for_both_backends(backend, algorithm)
     np.testing.assert_array_equal(np.asarray(got), np.broadcast_to(weights, (3, 192)))
 
 
-def test_psum_fallback_gather_for_older_jax_gives_the_same_bits_and_grads(monkeypatch):
-    # jax releases without all_gather_invariant get a psum of zero-padded pieces instead.
-    from cgx_jax.collectives import jax_compat
-    codec = cgx.Codec(bits=4, bucket_size=64, rounding="nearest")
-    weights = jnp.linspace(-1.0, 1.0, 384)
-    inputs = jax.random.normal(jax.random.key(5), (4, 384))
-
-    def value_and_grad(v):
-        reduce = functools.partial(cgx.compressed_psum, axis_name="batch", codec=codec)
-        return reduce(v), jax.grad(lambda u: jnp.sum(reduce(u) * weights))(v)
-
-    want = run_sharded(value_and_grad, inputs, 4)
-    monkeypatch.setattr(jax_compat, "_jax_all_gather_invariant", None)
-    got = run_sharded(value_and_grad, inputs, 4)
-    for g, w in zip(got, want):
-        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
-    np.testing.assert_array_equal(np.asarray(got[1]), np.broadcast_to(weights, (4, 384)))
-
-
-def test_jit_of_pmap_with_fresh_keys_bounded_in_flight():
-    codec = cgx.Codec(bits=4, bucket_size=64)
-    step = jax.pmap(lambda x, k: cgx.compressed_psum(x, "batch", codec=codec, key=k),
-                    axis_name="batch", in_axes=(0, None), devices=jax.devices("cpu"))
-    x = jnp.ones((8, 100)) * jnp.arange(100.0)
-    results = []
-    for i in range(5):  # wait on each step: see the rendezvous hazard in docs/design.md section 9
-        results.append(np.asarray(jax.block_until_ready(step(x, jax.random.key(i)))))
-    assert all(np.all(np.abs(r - 8 * np.arange(100.0)) <= 8 * 99 / 15 * 2 + 1e-3) for r in results)
-    assert not np.array_equal(results[0], results[1])
-
+# ---------------------------------------------------------------------------
+# Bad arguments
+# ---------------------------------------------------------------------------
 
 class TestBadArguments:
     codec = cgx.Codec(bits=4, bucket_size=64, rounding="nearest")
 
-    def psum(self, **kwargs):
-        return run_sharded(lambda x: cgx.compressed_psum(x, "batch", **kwargs),
-                           jnp.ones((2, 64)), 2)
+    def run(self, axis_name, inner_axis_name):
+        return run_2d(lambda x: cgx.compressed_psum(x, axis_name, codec=self.codec,
+                                                    inner_axis_name=inner_axis_name),
+                      jnp.ones((8, 64)), 2, 4)
 
-    def test_unknown_algorithm(self):
-        with pytest.raises(ValueError, match=r"algorithm must be one of .*'ring2'"):
-            self.psum(codec=self.codec, algorithm="ring2")
+    def test_unbound_inner_axis(self):
+        with pytest.raises(ValueError, match="inner_axis_name 'nope' is not bound"):
+            self.run("outer", "nope")
 
-    def test_unknown_backend(self):
-        with pytest.raises(ValueError, match=r"backend must be one of .*'cuda'"):
-            self.psum(codec=self.codec, backend="cuda")
+    def test_inner_axis_same_as_axis_name(self):
+        with pytest.raises(ValueError, match="inner_axis_name 'outer' must differ from axis_name"):
+            self.run("outer", "outer")
 
-    def test_codec_and_policy_together(self):
-        with pytest.raises(ValueError, match="codec= or policy="):
-            self.psum(codec=self.codec, policy=cgx.LayerPolicy())
+    def test_inner_axis_inside_axis_tuple(self):
+        with pytest.raises(ValueError, match="must differ from axis_name"):
+            self.run(("outer", "inner"), "inner")
 
-    def test_codec_of_wrong_type(self):
-        with pytest.raises(TypeError, match="codec must be a cgx_jax.Codec"):
-            self.psum(codec={"bits": 4})
-
-    def test_stochastic_without_key(self):
-        with pytest.raises(ValueError, match="pass key=.*rounding='nearest'"):
-            self.psum(codec=cgx.Codec(bits=4, bucket_size=64))
-
-    def test_key_of_wrong_type(self):
-        with pytest.raises(TypeError, match="key must be a JAX PRNG key"):
-            self.psum(codec=cgx.Codec(bits=4, bucket_size=64), key=123)
-
-    def test_unbound_axis_name(self):
-        with pytest.raises(ValueError, match="axis_name 'nope' is not bound"):
-            run_sharded(lambda x: cgx.compressed_psum(x, "nope", codec=self.codec),
-                        jnp.ones((2, 64)), 2)
-
-    def test_outside_any_mapped_context(self):
-        with pytest.raises(ValueError, match="axis_name 'batch' is not bound"):
-            cgx.compressed_psum(jnp.ones(64), "batch", codec=self.codec)
-
-
-@pytest.mark.parametrize("num_devices", [1, 2, 3, 4, 8])
-@pytest.mark.parametrize("row_bytes", [8, 1000, 1_200_001])
-def test_exchange_rows_is_an_all_to_all_bitwise(num_devices, row_bytes):
-    """SRA's exchange in rounds (on CPU across processes: N-1 ppermute shift rounds, the swap
-    round of an even N in pieces once a row reaches 2 x SWAP_PIECE_BYTES, unevenly split
-    here; forced here in one process) returns what a tiled all_to_all returns, byte for
-    byte, own row included."""
-    if row_bytes > 1000 and num_devices not in (2, 4):
-        pytest.skip("the pieces only exist for a swap round (even N); 2 and 4 cover it")
-    assert row_bytes <= 1000 or row_bytes // SWAP_PIECE_BYTES == 2  # two pieces, uneven
-    n = num_devices
-    rows = np.random.default_rng(row_bytes + n).integers(0, 256, (n, n, row_bytes), np.uint8)
-    ours = run_sharded(lambda r: exchange_rows(r, "batch", lax.axis_index("batch"), n,
-                                               in_rounds=True), rows, n)
-    theirs = run_sharded(lambda r: lax.all_to_all(r, "batch", 0, 0, tiled=True), rows, n)
-    np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
-    np.testing.assert_array_equal(np.asarray(ours)[:, 0], rows[0])  # row k is from k
-
-
-def test_exchange_rows_over_a_tuple_of_mesh_axes_is_an_all_to_all():
-    """With axis_name a tuple of mesh axes (one group of 2 x 4 devices, as the benchmark's
-    ("proc", "dev")), the shift rounds use the same participant order as all_to_all."""
-    mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")[:8]).reshape(2, 4), ("a", "b"))
-    axes = ("a", "b")
-    rows = np.random.default_rng(7).integers(0, 256, (8, 8, 1_100_000), np.uint8)
-
-    def run(fn):
-        mapped = jax.shard_map(lambda r: fn(r[0])[None], mesh=mesh, in_specs=P(axes),
-                               out_specs=P(axes))
-        return np.asarray(jax.jit(mapped)(rows))
-
-    ours = run(lambda r: exchange_rows(r, axes, lax.axis_index(axes), 8, in_rounds=True))
-    theirs = run(lambda r: lax.all_to_all(r, axes, 0, 0, tiled=True))
-    np.testing.assert_array_equal(ours, theirs)
-
-
-@pytest.mark.parametrize("num_devices", [2, 3])
-def test_gather_packets_is_an_all_gather_bitwise_and_invariant(num_devices):
-    """The packet gather in pieces (on CPU across processes between 2 participants; forced
-    here, 2 uneven pieces) equals a plain all_gather, and its result is typed invariant:
-    out_specs=P() accepts it under shard_map's type check."""
-    n = num_devices
-    packets = np.random.default_rng(n).integers(0, 256, (n, 1_200_001), np.uint8)
-    mesh = cpu_mesh(n)
-
-    def run(fn, out_specs):
-        return np.asarray(jax.jit(jax.shard_map(lambda p: fn(p[0]), mesh=mesh,
-                                                in_specs=P("batch"), out_specs=out_specs))(packets))
-
-    ours = run(lambda p: gather_packets(p, "batch", n, in_pieces=True), P())
-    theirs = run(lambda p: lax.all_gather(p, "batch")[None], P("batch"))
-    np.testing.assert_array_equal(ours, theirs[0])
-    np.testing.assert_array_equal(ours, packets)
-
-
-def test_one_process_keeps_the_plain_collectives():
-    """Devices of one process (no Gloo) get one all_to_all / all_gather, not rounds."""
-    def count(fn, shape):
-        mapped = jax.shard_map(fn, mesh=cpu_mesh(2), in_specs=P("batch"), out_specs=P("batch"),
-                               check_vma=False)
-        hlo = jax.jit(mapped).lower(np.zeros(shape, np.uint8)).compile().as_text()
-        return {op: hlo.count(f" {op}(") for op in ("all-to-all", "collective-permute",
-                                                      "all-gather")}
-
-    def exchange(**kw):  # per device: rows [2, m]
-        return lambda r: exchange_rows(r, "batch", lax.axis_index("batch"), 2, **kw)
-
-    def gather(**kw):  # per device: one packet
-        return lambda p: gather_packets(p[0], "batch", 2, **kw)[None]
-
-    rows, packets = (4, 1_200_001), (2, 1_200_001)
-    assert count(exchange(), rows) == {"all-to-all": 1, "collective-permute": 0,
-                                       "all-gather": 0}
-    assert count(exchange(in_rounds=True), rows)["collective-permute"] == 2
-    assert count(gather(), packets)["all-gather"] == 1
-    assert count(gather(in_pieces=True), packets)["all-gather"] == 2
+    def test_unknown_algorithm_lists_ring_and_auto(self):
+        with pytest.raises(ValueError, match=r"algorithm must be one of .*'ring'.*'auto'.*'tree'"):
+            run_sharded(lambda x: cgx.compressed_psum(x, "batch", codec=self.codec,
+                                                      algorithm="tree"), jnp.ones((2, 64)), 2)

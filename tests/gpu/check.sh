@@ -73,13 +73,15 @@ print("has_cuda_support:", cgx.has_cuda_support())
 print("jax.devices():", jax.devices())
 '
 
-run_step "GPU tests (tests/test_cuda.py)" 90 python -m pytest -q tests/test_cuda.py -rs
+run_step "GPU tests (tests/test_backends_cuda.py)" 90 \
+  python -m pytest -q tests/test_backends_cuda.py -rs
 
-# Sanity subset of the CPU kernel tests, without the large inputs.
-kernel_tests=(python -m pytest -q -x tests/test_kernels.py -k "not large")
-if ! timeout 30 python -m pytest -q --collect-only tests/test_kernels.py -k "not large" \
+# Sanity subset of the CPU kernel tests (FFI kernels and jnp backend), without the large inputs.
+kernel_files=(tests/test_backends_ffi.py tests/test_backends_pure_jax.py)
+kernel_tests=(python -m pytest -q -x "${kernel_files[@]}" -k "not large")
+if ! timeout 30 python -m pytest -q --collect-only "${kernel_files[@]}" -k "not large" \
     >/dev/null 2>&1; then
-  kernel_tests=(python -m pytest -q -x tests/test_kernels.py)  # the filter selected nothing
+  kernel_tests=(python -m pytest -q -x "${kernel_files[@]}")  # the filter selected nothing
 fi
 run_step "CPU kernel tests (subset)" 60 "${kernel_tests[@]}"
 

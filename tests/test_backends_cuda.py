@@ -1,12 +1,13 @@
-"""The CUDA kernels against the CPU kernels: the same bytes for the same inputs and seeds
-(docs/design.md section 1, "one target name, two platforms"), and compressed_psum on one GPU.
+"""backends/ffi.py on a GPU: the CUDA kernels against the CPU kernels, the same bytes for the
+same inputs and seeds (docs/design.md section 1, "one target name, two platforms"; section 3),
+and compressed_psum on one GPU.
 
 Every test runs one jitted program on the first GPU and the same program on the first CPU
 device and compares the outputs bit for bit; the CPU kernels are checked against the numpy
-model in test_kernels.py, so agreeing with them is agreeing with the format. The whole
+model in test_backends_ffi.py, so agreeing with them is agreeing with the format. The whole
 module is skipped, with the reason printed, when JAX has no GPU or this build of cgx_jax
 has no CUDA kernels; importing it needs neither. Run it on a GPU machine with
-``python -m pytest -q tests/test_cuda.py -rs`` (or ``bash tests/gpu/check.sh``).
+``python -m pytest -q tests/test_backends_cuda.py -rs`` (or ``bash tests/gpu/check.sh``).
 """
 
 import functools
@@ -19,7 +20,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import cgx_jax as cgx
-from cgx_jax.backends import ffi as kernels
+from cgx_jax.backends import ffi
 from cgx_jax.codec import Codec, packet_bytes
 
 
@@ -170,11 +171,11 @@ def test_quantize_and_dequantize_match_cpu(rounding, dtype):
         outs = []
         for codec, (x, seed, junk) in zip(codecs, inputs):
             n = x.shape[1]
-            packets = kernels.quantize_rows(x, seed, codec)
-            skipped = kernels.quantize_rows(x, seed, codec, skip_row=1)  # SRA's own row
+            packets = ffi.quantize_rows(x, seed, codec)
+            skipped = ffi.quantize_rows(x, seed, codec, skip_row=1)  # SRA's own row
             outs.append((packets, skipped,
-                         [kernels.dequantize_rows(packets, codec, n, d) for d in DTYPES],
-                         [kernels.dequantize_rows(junk, codec, n, d) for d in DTYPES]))
+                         [ffi.dequantize_rows(packets, codec, n, d) for d in DTYPES],
+                         [ffi.dequantize_rows(junk, codec, n, d) for d in DTYPES]))
         return outs
 
     gpu, cpu = run_on_both(program, inputs)
@@ -244,7 +245,7 @@ def _peers(num_peers, bits, bucket_size, n, rounding):
     codec = Codec(bits=bits, bucket_size=bucket_size, rounding=rounding)
     chunks = mixed_buckets(rng, num_peers, n, bucket_size, F32)
     seed = jax.device_put(np.array([bits, 99], np.uint32), CPU)
-    peers = np.array(jax.jit(kernels.quantize_rows, static_argnums=2)(
+    peers = np.array(jax.jit(ffi.quantize_rows, static_argnums=2)(
         jax.device_put(chunks, CPU), seed, codec))
     if num_peers == 8:
         peers[-1] = rng.integers(0, 256, peers.shape[1], dtype=np.uint8)
@@ -271,7 +272,7 @@ def test_reduce_requantize_matches_cpu(rounding, own_dtype):
         outs = []
         for (codec, _, n), (peers, own, own_index, seed) in zip(cases, inputs):
             for emit_packet, emit_sum in EMITS:
-                outs.append(kernels.reduce_requantize(peers, own, own_index, seed, codec, n,
+                outs.append(ffi.reduce_requantize(peers, own, own_index, seed, codec, n,
                                                       emit_packet=emit_packet, emit_sum=emit_sum))
         return outs
 

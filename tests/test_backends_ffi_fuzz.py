@@ -1,7 +1,8 @@
-"""Property-based tests of the FFI handlers called directly (bypassing the Python checks):
-any combination of sizes, bits, bucket sizes and row counts either matches the numpy model
-byte for byte (consistent shapes) or fails with an error (inconsistent ones). Run under
-AddressSanitizer/UBSan with tests/sanitize.sh, they also show no access outside a buffer."""
+"""backends/ffi.py, property-based: the FFI handlers called directly (bypassing the Python
+checks) with any combination of sizes, bits, bucket sizes and row counts either match the numpy
+model byte for byte (consistent shapes) or fail with an error (inconsistent ones)
+(docs/design.md sections 3 and 8). Run under AddressSanitizer/UBSan with tests/sanitize.sh,
+they also show no access outside a buffer."""
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import numpy_model as model
-from cgx_jax.backends import ffi as kernels
+from cgx_jax.backends import ffi
 
 CPU = jax.devices("cpu")[0]
 SETTINGS = settings(max_examples=60, deadline=None,
@@ -18,7 +19,7 @@ SETTINGS = settings(max_examples=60, deadline=None,
 
 
 def call(target, outs, *args, **attrs):
-    kernels._register()
+    ffi._register()
     attrs = {k: (v if isinstance(v, bool) else np.int64(v)) for k, v in attrs.items()}
     with jax.default_device(CPU):
         result = jax.ffi.ffi_call(target, outs)(*[jax.device_put(a, CPU) for a in args], **attrs)
@@ -120,7 +121,7 @@ def test_reduce_requantize_matches_model_or_fails(codec, peers, buckets, own_ind
 
 
 def test_reduce_requantize_with_an_empty_sum_output_returns_the_packet_alone():
-    """An empty sum output means "no sum wanted" (how kernels.reduce_requantize asks for the
+    """An empty sum output means "no sum wanted" (how ffi.reduce_requantize asks for the
     packet alone), not a wrong size; hypothesis found the fuzz test above mistaking it for
     one when n = 8 and the sum was shortened by 8."""
     chunks = np.linspace(-1, 1, 16, dtype=np.float32).reshape(2, 8)

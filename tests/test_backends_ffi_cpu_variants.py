@@ -1,7 +1,8 @@
-"""The CPU bucket loops are compiled per instruction set (generic, AVX2, AVX-512) and picked
-at run time; every variant must write the same bytes. Each runs in its own process, forced
-with CGX_JAX_CPU_ISA, on inputs that take every code path (stochastic and nearest, all bits,
-three dtypes, buckets wider than the largest float, NaN, subnormals)."""
+"""backends/ffi.py on CPU (docs/design.md section 3): the bucket loops are compiled per
+instruction set (generic, AVX2, AVX-512) and picked at run time; every variant must write the
+same bytes. Each runs in its own process, forced with CGX_JAX_CPU_ISA, on inputs that take
+every code path (stochastic and nearest, all bits, three dtypes, buckets wider than the
+largest float, NaN, subnormals)."""
 
 import os
 import subprocess
@@ -13,7 +14,7 @@ import pytest
 SCRIPT = textwrap.dedent("""
     import hashlib, jax, jax.numpy as jnp, numpy as np
     from cgx_jax import _cgx_cpu
-    from cgx_jax.backends import ffi as kernels
+    from cgx_jax.backends import ffi
     from cgx_jax.codec import Codec
     rng = np.random.default_rng(0)
     x = rng.standard_normal((3, 4096)).astype(np.float32) * np.float32(10.0) ** rng.integers(-3, 3, (3, 1))
@@ -24,10 +25,10 @@ SCRIPT = textwrap.dedent("""
         for rounding in ("stochastic", "nearest"):
             codec = Codec(bits, 64, rounding)
             for dtype in (jnp.float32, jnp.bfloat16, jnp.float16):
-                packets = kernels.quantize_rows(jnp.asarray(x, dtype), seed, codec)
-                decoded = kernels.dequantize_rows(packets, codec, x.shape[1], dtype)
-                packet, total = kernels.reduce_requantize(packets, jnp.asarray(x[1], dtype), 1, seed,
-                                                          codec, x.shape[1], emit_sum=True)
+                packets = ffi.quantize_rows(jnp.asarray(x, dtype), seed, codec)
+                decoded = ffi.dequantize_rows(packets, codec, x.shape[1], dtype)
+                packet, total = ffi.reduce_requantize(packets, jnp.asarray(x[1], dtype), 1, seed,
+                                                      codec, x.shape[1], emit_sum=True)
                 for a in (packets, decoded, packet, total):
                     digest.update(np.asarray(a).tobytes())
     print(_cgx_cpu.cpu_isa(), digest.hexdigest())

@@ -1,0 +1,120 @@
+"""launch.py, ``python -m cgx_jax.launch`` (docs/design.md section 9, "Launcher" and
+"Emulated network"): a failing process stops the launch at once; each process gets its rank's
+environment, its output is prefixed with the rank, and a timeout kills what still runs. With
+--link each process runs in its own network namespace behind a shaped link, with bitwise the
+same result, sees its own address, and the namespaces are removed, also on SIGTERM; without
+namespaces the launch runs unshaped and says so; bad --link arguments exit with a message.
+The namespace tests need root and skip elsewhere."""
+
+import io
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from cgx_jax import launch, netem
+from processes import (assert_bitwise_equal, gather_results, launch_worker, needs_netns,
+                     single_process)
+
+
+def test_failing_process_stops_the_launch(tmp_path):
+    done, seconds = launch_worker(2, 1, tmp_path, "fail", timeout=60)
+    assert done.returncode != 0
+    assert "rank 1 failed with exit code 1" in done.stderr, done.stderr[-3000:]
+    assert "[rank 1] RuntimeError: rank 1 fails on purpose" in done.stderr
+    # Stopped at once: without the launcher's exit-on-exception hook rank 1 waits in JAX's
+    # shutdown barrier and the launch ends only after a 30 s coordination timeout.
+    assert seconds < 25, seconds
+
+
+def test_launcher_environment_prefix_and_timeout():
+    script = ('echo "id=$CGX_JAX_PROCESS_ID n=$CGX_JAX_NUM_PROCESSES at=$CGX_JAX_COORDINATOR '
+              'flags=$XLA_FLAGS"; echo oops >&2; '
+              'if [ "$CGX_JAX_PROCESS_ID" = 1 ]; then trap "" TERM; sleep 30; fi')
+    command = [sys.executable, "-m", "cgx_jax.launch", "-n", "3", "--devices-per-process", "2",
+               "--timeout", "2", "--grace", "0.5", "--", "bash", "-c", script]
+    start = time.monotonic()
+    done = subprocess.run(command, capture_output=True, text=True, timeout=30)
+    assert done.returncode == 124
+    assert time.monotonic() - start < 15  # SIGKILL after the grace period, not sleep 30
+    for rank in range(3):
+        assert (f"[rank {rank}] id={rank} n=3 at=127.0.0.1:" in done.stdout
+                and "--xla_force_host_platform_device_count=2" in done.stdout)
+        assert f"[rank {rank}] oops" in done.stderr
+    assert "timed out after 2 s; ranks still running: [1]" in done.stderr
+
+
+# ---------------------------------------------------------------------------
+# --link
+# ---------------------------------------------------------------------------
+
+LINK_PREFIX = "cgxtl"  # not the launcher's default, so a launch running meanwhile is safe
+LINK_ARGS = ("--link", "1gbit", "--netns-prefix", LINK_PREFIX, "--subnet", "10.213.78")
+
+
+def link_namespaces():
+    return netem.namespaces(LINK_PREFIX)
+
+
+@needs_netns
+def test_link_runs_each_process_in_its_namespace_bitwise(tmp_path):
+    assert not link_namespaces(), f"stale namespaces: {link_namespaces()}"
+    done, _ = launch_worker(2, 1, tmp_path, "flat", extra=LINK_ARGS)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert f"network namespaces {LINK_PREFIX}0.., 1gbit links; coordinator 10.213.78.1:" in (
+        done.stderr)
+    assert_bitwise_equal(gather_results(tmp_path, 2), single_process(2))
+    assert not link_namespaces()
+
+
+@needs_netns
+def test_link_process_sees_its_own_address():
+    done = subprocess.run(
+        [sys.executable, "-m", "cgx_jax.launch", "-n", "2", *LINK_ARGS, "--",
+         "sh", "-c", "getent hosts $(hostname)"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    for rank in range(2):  # Gloo binds to what the host name resolves to
+        assert f"[rank {rank}] 10.213.78.{rank + 1} " in done.stdout
+    assert not link_namespaces()
+
+
+@needs_netns
+def test_link_sigterm_stops_processes_and_removes_network():
+    process = subprocess.Popen(
+        [sys.executable, "-m", "cgx_jax.launch", "-n", "2", "--grace", "1", *LINK_ARGS, "--",
+         "sleep", "60"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while len(link_namespaces()) < 3 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert len(link_namespaces()) == 3  # two ranks and the hub
+    time.sleep(0.5)
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=30)
+    assert process.returncode == 130, stderr
+    assert "interrupted; stopping all processes" in stderr
+    assert not link_namespaces()
+
+
+def test_link_without_namespaces_runs_unshaped_and_says_so(monkeypatch):
+    monkeypatch.setattr(netem, "can_shape", lambda: (False, "not root"))
+    out, err = io.StringIO(), io.StringIO()
+    code = launch.launch([sys.executable, "-c", "print('hi')"], 2, link="1gbit",
+                         stdout=out, stderr=err)
+    assert code == 0
+    assert "cannot emulate a 1gbit link (not root); running UNSHAPED on loopback" in (
+        err.getvalue())
+    assert "[rank 0] hi" in out.getvalue() and "[rank 1] hi" in out.getvalue()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--link", "fast"], "link rate must look like 1gbit"),
+    (["--link", "1gbit", "--netns-prefix", "a b"], "--netns-prefix must be a letter"),
+    (["--link", "1gbit", "--subnet", "10.1"], "--subnet must be three octets"),
+])
+def test_link_bad_arguments(capsys, args, message):
+    with pytest.raises(SystemExit) as e:
+        launch.main(["-n", "2", *args, "--", "true"])
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err

@@ -1,0 +1,108 @@
+"""The package's shape (docs/design.md section 1): no import cycle, no module reaching into
+another module's ``_private`` names, ``jax._src`` in one module only, and every design
+reference pointing at the document inside the repository."""
+
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "cgx_jax"
+# The compiled nanobind modules are named like private modules but are the package's own.
+EXTENSION_MODULES = {"_cgx_cpu", "_cgx_cuda"}
+
+
+def module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def top_level_imports(path: pathlib.Path):
+    """(module, imported names) of the imports run when the module is imported (not those
+    inside functions)."""
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name, []
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            yield node.module, [alias.name for alias in node.names]
+
+
+def package_dependencies(name: str) -> set[str]:
+    deps = set()
+    for module, names in top_level_imports(MODULES[name]):
+        submodules = {f"{module}.{n}" for n in names} & MODULES.keys()
+        deps |= submodules  # from cgx_jax import fusion: the module cgx_jax.fusion
+        if module in MODULES and (not names or len(submodules) < len(names)):
+            deps.add(module)
+    return deps - {name}
+
+
+def test_there_is_no_import_cycle():
+    graph = {name: package_dependencies(name) for name in MODULES}
+    state = {}
+
+    def visit(name, stack):
+        state[name] = "open"
+        for dep in sorted(graph[name]):
+            if state.get(dep) == "open":
+                pytest.fail("import cycle: " + " -> ".join(stack + [name, dep]))
+            if dep not in state:
+                visit(dep, stack + [name])
+        state[name] = "done"
+
+    for name in MODULES:
+        if name not in state:
+            visit(name, [])
+
+
+def test_the_cycle_check_finds_a_cycle(monkeypatch):
+    # The check above must be able to fail: a fake edge codec -> api closes a cycle.
+    real = package_dependencies
+    monkeypatch.setitem(globals(), "package_dependencies",
+                        lambda name: real(name) | ({"cgx_jax.api"} if name == "cgx_jax.codec"
+                                                   else set()))
+    with pytest.raises(pytest.fail.Exception, match="import cycle"):
+        test_there_is_no_import_cycle()
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_no_module_imports_private_names_of_another(name):
+    path = MODULES[name]
+    tree = ast.parse(path.read_text())
+    imported_modules = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("cgx_jax"):
+            for alias in node.names:
+                assert not (alias.name.startswith("_") and alias.name not in EXTENSION_MODULES), (
+                    f"{path.relative_to(ROOT)} imports {alias.name} from {node.module}")
+                if f"{node.module}.{alias.name}" in MODULES:
+                    imported_modules[alias.asname or alias.name] = alias.name
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("cgx_jax"):
+                    imported_modules[alias.asname or alias.name.split(".")[0]] = alias.name
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                and node.value.id in imported_modules and node.attr.startswith("_")
+                and node.attr not in EXTENSION_MODULES):
+            pytest.fail(f"{path.relative_to(ROOT)} uses {node.value.id}.{node.attr}")
+
+
+def test_jax_internals_are_confined_to_jax_compat():
+    users = sorted(str(p.relative_to(ROOT)) for p in MODULES.values() if "jax._src" in p.read_text())
+    assert users == ["cgx_jax/collectives/jax_compat.py"]
+
+
+def test_design_references_point_inside_the_repository():
+    assert (ROOT / "docs" / "design.md").is_file()
+    sources = [p for folder in ("cgx_jax", "tests", "examples", "xla_ffi")
+               for p in (ROOT / folder).rglob("*") if p.suffix in (".py", ".h", ".cc", ".cu", ".sh")]
+    stale = [str(p.relative_to(ROOT)) for p in sources + [ROOT / "README.md"]
+             if p != pathlib.Path(__file__).resolve()
+             and "DESIGN.md" in p.read_text().replace("docs/design.md", "")]
+    assert stale == []
