@@ -11,7 +11,9 @@ from cgx_jax.adaptive import (AdaptiveConfig, ErrorTable, fit_policy, layer_erro
 from cgx_jax.api import compressed_pmean, compressed_psum, dequantize, quantize
 from cgx_jax.codec import Codec, packet_bytes, wire_bytes
 from cgx_jax.backends.ffi import has_cuda_support
-from cgx_jax.optax_transform import CompressedAllReduceState, compressed_allreduce
+from cgx_jax.optax_transform import (CompressedAllReduceState, compressed_allreduce,
+                                     shard_state, state_specs)
+from cgx_jax.vma import local_value_and_grad
 from cgx_jax.policy import LayerPolicy, leaf_paths, summary, tree_wire_bytes
 
 __version__ = "0.1.0"
@@ -30,9 +32,12 @@ __all__ = [
     "has_cuda_support",
     "layer_errors",
     "leaf_paths",
+    "local_value_and_grad",
     "packet_bytes",
     "quantize",
     "refit_policy",
+    "shard_state",
+    "state_specs",
     "summary",
     "tree_wire_bytes",
     "wire_bytes",

@@ -24,6 +24,7 @@ from cgx_jax.collectives import (ALGORITHMS, Plan, allreduce_buffer, axis_tuple,
 from cgx_jax.policy import LayerPolicy, is_compressible, path_name
 from cgx_jax.seeds import phase_seeds, rounding_seed, seed_bits
 from cgx_jax.validation import check_choice, check_codec
+from cgx_jax.vma import check_local
 
 
 # ---------------------------------------------------------------------------
@@ -36,7 +37,9 @@ def _axis_size(axis_name, argument: str = "axis_name") -> int:
     except NameError as err:
         raise ValueError(
             f"{argument} {axis_name!r} is not bound here: call compressed_psum inside "
-            f"jax.pmap(..., axis_name=...) or jax.shard_map over a mesh with that axis ({err})"
+            f"jax.pmap(..., axis_name=...) or jax.shard_map over a mesh with that axis ({err}). "
+            f"Under plain jax.jit with sharded arrays XLA reduces gradients itself: wrap the "
+            f"gradient and update in jax.shard_map (the README's 'Data-parallel recipes')"
         ) from None
 
 
@@ -146,6 +149,9 @@ def reduce_tree(x, axis_name, *, codec=None, policy=None, key=None, algorithm="a
 
     flat_with_paths, treedef = jax.tree_util.tree_flatten_with_path(x)
     leaves = [jnp.asarray(leaf) for _, leaf in flat_with_paths]
+    all_axes = (axis_name if inner_axis_name is None
+                else axis_tuple(axis_name) + axis_tuple(inner_axis_name))
+    check_local(leaves, all_axes, [path_name(p) for p, _ in flat_with_paths])
     if codec is not None:
         codecs = [codec if is_compressible(leaf) else None for leaf in leaves]
     else:
@@ -170,8 +176,6 @@ def reduce_tree(x, axis_name, *, codec=None, policy=None, key=None, algorithm="a
     errors = [jnp.zeros(leaf.shape, jnp.float32) for leaf in leaves] if local_error else None
     if exact:
         reduce_exact = lax.pmean if mean else lax.psum
-        all_axes = (axis_name if inner_axis_name is None
-                    else axis_tuple(axis_name) + axis_tuple(inner_axis_name))
         for i, value in zip(exact, reduce_exact([leaves[i] for i in exact], all_axes)):
             out[i] = value
     for group_number, (group_codec, members) in enumerate(groups.items()):
@@ -234,7 +238,7 @@ def compressed_psum(x, axis_name, *, codec: Codec | None = None,
         >>> mesh = Mesh(np.array(jax.devices()[:1]), ("batch",))
         >>> codec = cgx.Codec(bits=8, bucket_size=256, rounding="nearest")
         >>> f = jax.shard_map(lambda g: cgx.compressed_psum(g, "batch", codec=codec),
-        ...                   mesh=mesh, in_specs=P(), out_specs=P())
+        ...                   mesh=mesh, in_specs=P("batch"), out_specs=P())
         >>> f(jnp.ones((4, 256))).shape
         (4, 256)
     """

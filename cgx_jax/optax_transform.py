@@ -12,20 +12,28 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+import math
+import sys
+
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from cgx_jax.adaptive import schedule
 from cgx_jax.api import reduce_tree
-from cgx_jax.policy import LayerPolicy
+from cgx_jax.collectives import axis_tuple
+from cgx_jax.policy import LayerPolicy, leaf_paths
+from cgx_jax.vma import check_local
 
 
 class CompressedAllReduceState(NamedTuple):
     """``key``: raw ``uint32[2]`` PRNG key, split every step (fresh, reproducible stochastic
     rounding noise; a plain array, so it checkpoints like any optimizer state).
-    ``residual``: with error feedback, what the last step's local compression lost, a pytree
-    of f32 arrays shaped like the gradients; ``None`` without it.
+    ``residual``: with error feedback, what the last step's local compression lost: a pytree
+    of f32 arrays of shape ``(1, *gradient_shape)``, one row per participant, so under
+    ``shard_map`` it is sharded over the data axis (``state_specs``/``shard_state``) and
+    every participant's residual is saved in a checkpoint; ``None`` without it.
     ``adaptive``: with ``adaptive=``, the ``AdaptiveState`` (error statistics for
     ``cgx.refit_policy``); ``None`` without it."""
 
@@ -85,7 +93,7 @@ def compressed_allreduce(axis_name, *, policy: LayerPolicy | None = None, mean: 
                         f"{type(adaptive).__name__}")
 
     def init_fn(params):
-        residual = (jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params)
+        residual = (jax.tree.map(lambda p: jnp.zeros((1, *jnp.shape(p)), jnp.float32), params)
                     if error_feedback else None)
         stats = (None if adaptive is None
                  else schedule.init_adaptive_state(params, adaptive, policy))
@@ -95,15 +103,96 @@ def compressed_allreduce(axis_name, *, policy: LayerPolicy | None = None, mean: 
     def update_fn(updates, state, params=None):
         del params
         key, step_key = jax.random.split(state.key)
+        # Before the residual is added: a varying residual would hide reduced gradients.
+        check_local(updates, axis_name, leaf_paths(updates), "compressed_allreduce")
         if error_feedback:
             updates = jax.tree.map(
-                lambda g, r: (g.astype(jnp.float32) + r).astype(g.dtype), updates, state.residual)
+                lambda g, r: (g.astype(jnp.float32) + r[0]).astype(g.dtype), updates,
+                state.residual)
         stats = (None if adaptive is None else schedule.update_adaptive_state(
             state.adaptive, updates, axis_name, adaptive, policy))
         result = reduce_tree(updates, axis_name, policy=policy, key=step_key,
                              algorithm=algorithm, backend=backend, mean=mean,
                              local_error=error_feedback)
-        reduced, lost = result if error_feedback else (result, None)
-        return reduced, CompressedAllReduceState(key, lost, stats)
+        if not error_feedback:
+            return result, CompressedAllReduceState(key, None, stats)
+        reduced, lost = result
+        residual = jax.tree.map(lambda r: r[None], lost)
+        return reduced, CompressedAllReduceState(key, residual, stats)
 
     return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _is_cgx_state(node) -> bool:
+    return isinstance(node, CompressedAllReduceState)
+
+
+def state_specs(state, axis_name):
+    """``PartitionSpec``s for an optimizer state holding ``compressed_allreduce``'s state, to
+    use as the state's ``in_specs``/``out_specs`` of ``jax.shard_map``: ``P(axis_name)`` for
+    the per-participant leaves (the error-feedback residual, one row per participant), ``P()``
+    for everything else (replicated).
+
+    Example:
+        >>> import jax.numpy as jnp, optax, cgx_jax as cgx
+        >>> tx = optax.chain(cgx.compressed_allreduce("batch", error_feedback=True),
+        ...                  optax.sgd(0.1))
+        >>> specs = cgx.state_specs(tx.init({"w": jnp.zeros((4, 4))}), "batch")
+        >>> specs[0].residual, specs[0].key
+        ({'w': P('batch',)}, P())
+    """
+    return _specs(state, axis_name, _is_nnx_variable)
+
+
+def _is_nnx_variable(value) -> bool:
+    # nnx.shard_map takes one spec per Variable, not one for the array inside it.
+    if "flax" not in sys.modules:
+        return False
+    from flax import nnx
+    return isinstance(value, nnx.Variable)
+
+
+def _specs(state, axis_name, is_leaf=None):
+    per_participant = PartitionSpec(axis_name)
+    replicated = PartitionSpec()
+
+    def specs(node):
+        if _is_cgx_state(node):
+            return CompressedAllReduceState(
+                key=replicated,
+                residual=jax.tree.map(lambda _: per_participant, node.residual,
+                                      is_leaf=is_leaf),
+                adaptive=jax.tree.map(lambda _: replicated, node.adaptive, is_leaf=is_leaf))
+        return replicated
+
+    return jax.tree.map(specs, state,
+                        is_leaf=lambda x: _is_cgx_state(x) or bool(is_leaf and is_leaf(x)))
+
+
+def shard_state(state, mesh: Mesh, axis_name):
+    """Places an optimizer state on ``mesh`` as ``state_specs`` says: per-participant leaves
+    with one row per participant along ``axis_name`` (a row of ``tx.init``'s output is
+    repeated for every participant; a state restored from a checkpoint, with all its rows,
+    is placed as it is), the rest replicated.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, numpy as np, optax, cgx_jax as cgx
+        >>> from jax.sharding import Mesh
+        >>> mesh = Mesh(np.array(jax.devices()), ("batch",))
+        >>> tx = cgx.compressed_allreduce("batch", error_feedback=True)
+        >>> state = cgx.shard_state(tx.init({"w": jnp.zeros((4, 4))}), mesh, "batch")
+        >>> state.residual["w"].shape == (len(jax.devices()), 4, 4)
+        True
+    """
+    rows = math.prod(mesh.shape[a] for a in axis_tuple(axis_name))
+
+    def place(leaf, spec):
+        if spec == PartitionSpec() or leaf.shape[0] == rows:
+            return jax.device_put(leaf, NamedSharding(mesh, spec))
+        if leaf.shape[0] != 1:
+            raise ValueError(f"a per-participant state leaf must have 1 or {rows} rows (the "
+                             f"participants of {axis_name!r}), got shape {leaf.shape}")
+        tiled = jnp.broadcast_to(leaf, (rows, *leaf.shape[1:]))
+        return jax.device_put(tiled, NamedSharding(mesh, spec))
+
+    return jax.tree.map(place, state, _specs(state, axis_name))

@@ -277,6 +277,33 @@ def _sgd_step(tx, params, state, x, y):
     return optax.apply_updates(params, updates), state, jax.lax.pmean(loss, "batch")
 
 
+def test_window_mean_by_value_across_window_boundaries():
+    # The state's error table after each update is the mean of the all-reduced per-step
+    # tables since the window began (docs/design.md section 7), computed here independently:
+    # warmup 2, every 3, so the windows are updates {0, 1}, {2, 3, 4}, {5, 6, 7}.
+    config = cgx.AdaptiveConfig(every=3, warmup=2, choices=(2, 4, 8), bucket_size=256)
+    base = cgx.LayerPolicy(min_size=0)
+    tx = cgx.compressed_allreduce("batch", policy=base, adaptive=config)
+    keys = jax.random.split(jax.random.key(3), 8)
+    # Per update: two participants with different gradients, scaled so every step differs.
+    grads = [{"w": (t + 1.0) * jax.random.normal(k, (2, 32, 64))} for t, k in enumerate(keys)]
+    update = jax.pmap(tx.update, axis_name="batch", devices=jax.devices("cpu")[:2])
+    state = jax.pmap(tx.init, devices=jax.devices("cpu")[:2])({"w": jnp.zeros((2, 32, 64))})
+    measure = jax.jit(lambda g: cgx.layer_errors(g, config.choices, config.bucket_size,
+                                                 base=base).errors)
+    per_step = [np.mean([np.asarray(measure({"w": g["w"][p]}), np.float64) for p in range(2)],
+                        axis=0) for g in grads]
+    window_of = [-1 if t < config.warmup else (t - config.warmup) // config.every
+                 for t in range(len(grads))]
+    for t, g in enumerate(grads):
+        _, state = update(g, state)
+        members = [u for u in range(t + 1) if window_of[u] == window_of[t]]
+        want = np.mean([per_step[u] for u in members], axis=0)
+        got = np.asarray(state.adaptive.table.errors[0], np.float64)
+        np.testing.assert_allclose(got, want, rtol=1e-5, err_msg=f"after update {t}")
+    assert [t for t in range(9) if config.due(t)] == [2, 5, 8]
+
+
 def test_default_state_has_no_adaptive_statistics():
     state = cgx.compressed_allreduce("batch").init(init_params())
     assert state.adaptive is None and len(jax.tree.leaves(state)) == 1

@@ -144,3 +144,25 @@ def test_ffi_and_jax_backends_agree():
     # differ by ulps everywhere and by a whole level only at rounding boundaries.
     level_steps = diff > 1e-3 * unit_bound
     assert np.mean(level_steps) < 0.01, np.mean(level_steps)
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_ties_round_up_in_both_backends(bits):
+    # Values exactly halfway between two levels, and the bucket's own min and max, in buckets
+    # whose unit is a power of two (so every step is exact in f32): nearest rounding is
+    # floor(t + 0.5) (ties up; docs/design.md section 2) in the kernels, the jnp backend and
+    # the numpy model, byte for byte. Half-to-even rounding would differ on every even level.
+    top = 2**bits - 1
+    size = 512  # holds min, max and all 2^b - 1 half levels for every b
+    halves = np.arange(top, dtype=np.float32) + 0.5            # t = k + 1/2, k = 0..top-1
+    bucket = np.resize(np.concatenate([[0.0, float(top)], halves]), size).astype(np.float32)
+    rows = np.stack([bucket * scale + shift for scale, shift in
+                     ((1.0, 0.0), (0.125, 0.0), (4.0, -64.0), (0.5, 1.0))]).astype(np.float32)
+    codec = codec_of(bits, size, "nearest")
+    seed = np.zeros(2, np.uint32)
+    want = model.quantize_rows(rows, seed, bits, size, False)
+    assert_bytes_equal(quantize(rows, seed, codec), want, "kernels vs model")
+    assert_bytes_equal(jnp_quantize(on_cpu(rows), on_cpu(seed), codec), want, "jnp vs model")
+    decoded = dequantize(want, codec, size, F32)[0]  # row 0: unit 1, min 0, so value = level
+    expected = np.resize(np.concatenate([[0.0, top], np.arange(1, top + 1)]), size)
+    np.testing.assert_array_equal(decoded, expected)  # each half level went up

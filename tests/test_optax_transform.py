@@ -10,8 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import cgx_jax as cgx
+from helpers import cpu_mesh
 from models import NUM_DEVICES, init_params, loss_fn, replicate, tail_loss, teacher_data
 
 CPU = jax.devices("cpu")
@@ -180,3 +182,67 @@ def test_training_with_apply_if_finite_skips_the_nan_step():
     assert not np.array_equal(history[3], history[2])  # training went on
     assert np.all(np.isfinite(history[3]))
     assert np.all(np.asarray(state[1].total_notfinite) == 1)
+
+
+def ef_training(mesh, steps, state=None, params=None):
+    """``steps`` SGD steps with error feedback under shard_map(check_vma=True) on the teacher
+    problem; returns (params, optimizer state, losses)."""
+    x, y = teacher_data()
+    policy = cgx.LayerPolicy(default=cgx.Codec(bits=2, bucket_size=256), min_size=256)
+    tx = optax.chain(cgx.compressed_allreduce("batch", policy=policy, error_feedback=True),
+                     optax.sgd(0.1, momentum=0.9))
+    params = init_params() if params is None else params
+    state = cgx.shard_state(tx.init(params), mesh, "batch") if state is None else state
+    specs = cgx.state_specs(state, "batch")
+
+    def step(params, state, x, y):
+        loss, grads = cgx.local_value_and_grad(loss_fn, "batch")(params, x[0], y[0])
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, jax.lax.pmean(loss, "batch")
+
+    f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), specs, P("batch"), P("batch")),
+                              out_specs=(P(), specs, P())))
+    losses = []
+    for _ in range(steps):
+        params, state, loss = f(params, state, x, y)
+        losses.append(float(loss))
+    return params, state, losses
+
+
+def save_restore_numpy(state, path, mesh):
+    leaves, treedef = jax.tree.flatten(state)
+    np.savez(path, *[np.asarray(leaf) for leaf in leaves])
+    with np.load(path) as saved:
+        restored = jax.tree.unflatten(treedef, [saved[f"arr_{i}"] for i in range(len(leaves))])
+    return cgx.shard_state(restored, mesh, "batch")
+
+
+def save_restore_orbax(state, path, mesh):
+    ocp = pytest.importorskip("orbax.checkpoint")
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(path / "state", state)
+        checkpointer.wait_until_finished()
+        restored = checkpointer.restore(path / "state", jax.tree.map(np.asarray, state))
+    return cgx.shard_state(jax.tree.map(np.asarray, restored), mesh, "batch")
+
+
+@pytest.mark.parametrize("save_restore", (save_restore_numpy, save_restore_orbax),
+                         ids=("numpy", "orbax"))
+def test_error_feedback_state_is_per_device_and_survives_a_checkpoint(tmp_path, save_restore):
+    mesh = cpu_mesh(NUM_DEVICES, ("batch",))
+    params, state, first = ef_training(mesh, 3)
+    residual = state[0].residual["dense1"]["kernel"]
+    assert residual.shape == (NUM_DEVICES, 32, 64)
+    assert not residual.is_fully_replicated
+    rows = np.asarray(residual)  # every participant's residual, not device 0's only
+    assert all(np.abs(rows[i] - rows[0]).max() > 0 for i in range(1, NUM_DEVICES))
+    for d, shard in enumerate(sorted(residual.addressable_shards, key=lambda s: s.index)):
+        np.testing.assert_array_equal(np.asarray(shard.data)[0], rows[d])
+
+    _, straight_state, straight = ef_training(mesh, 3, state, params)
+    restored = save_restore(state, tmp_path / "ckpt.npz" if save_restore is save_restore_numpy
+                            else tmp_path, mesh)
+    _, resumed_state, resumed = ef_training(mesh, 3, restored, params)
+    assert resumed == straight
+    for a, b in zip(jax.tree.leaves(resumed_state), jax.tree.leaves(straight_state)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

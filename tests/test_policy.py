@@ -102,3 +102,25 @@ def test_default_policy_keeps_small_and_1d_leaves_exact():
         lambda t, k: cgx.compressed_psum(t, "batch", key=k), tree, 8, jax.random.key(0))
     np.testing.assert_array_equal(np.asarray(out["bias"][0]), 2.0 * np.arange(128, dtype=np.float32))
     assert not np.array_equal(np.asarray(out["kernel"][0]), np.asarray(tree["kernel"].sum(0)))
+
+
+def test_rule_order_every_overlapping_pair():
+    # docs/design.md section 7: non-floating -> overrides (first match) -> exclude ->
+    # min_ndim/min_size -> default. Each pair of rules that can both match one leaf, with
+    # the documented winner.
+    c8, c2 = cgx.Codec(bits=8), cgx.Codec(bits=2)
+    tree = {"head": {"kernel": jnp.zeros((256, 256)), "bias": jnp.zeros(256)},
+            "steps": jnp.zeros((256, 256), jnp.int32),
+            "body": {"kernel": jnp.zeros((256, 256)), "small": jnp.zeros((8, 8))}}
+    policy = cgx.LayerPolicy(default=cgx.Codec(bits=4), exclude=("head", "body/kernel"),
+                             overrides={"head/kernel": c8, "head": c2, "steps": c8})
+    got = resolved_paths(policy, tree)
+    assert got["head/kernel"] == c8        # override beats exclude, first override wins
+    assert got["head/bias"] == c2          # override beats the 1-D rule and exclude
+    assert got["steps"] is None            # non-floating beats an override
+    assert got["body/kernel"] is None      # exclude beats the default
+    assert got["body/small"] is None       # min_size beats the default
+    small_override = cgx.LayerPolicy(overrides={"body/small": c8})
+    assert resolved_paths(small_override, tree)["body/small"] == c8  # override beats min_size
+    exclude_small = cgx.LayerPolicy(min_size=0, min_ndim=0, exclude=("body/small",))
+    assert resolved_paths(exclude_small, tree)["body/small"] is None

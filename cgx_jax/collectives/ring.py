@@ -10,7 +10,7 @@ from cgx_jax.collectives.transport import gather_packets
 
 def ring_reduce(buf, axis_name, index, num_participants, seeds, codec, backend, local_error=False):
     """Ring: the buffer is N chunks; chunk ``c`` starts as the encoded raw chunk of participant
-    ``c+1`` and travels ``c+1 -> c+2 -> ... -> c`` in N-1 ``ppermute`` hbackend. Each receiver
+    ``c+1`` and travels ``c+1 -> c+2 -> ... -> c`` in N-1 ``ppermute`` hops. Each receiver
     decodes the partial sum, adds its own raw chunk and re-encodes (``reduce_requantize`` with
     one peer packet), so participant ``c`` ends holding the encoded full sum of chunk ``c``.
     An ``all_gather`` of those packets and one decode finish it: every participant decodes

@@ -157,15 +157,17 @@ def make_train_step(graphdef, tx, mesh, num_classes, smoothing):
     it, so every replica applies the same update."""
 
     def step(params, opt_state, x, y):
-        loss, grads = jax.value_and_grad(
-            lambda p: loss_fn(graphdef, p, x, y, num_classes, smoothing))(params)
+        # Local loss and gradients: jax.grad of the replicated params would reduce them
+        # exactly first (shard_map's check_vma typing), and tx would then reduce them again.
+        loss, grads = cgx.local_value_and_grad(
+            lambda p: loss_fn(graphdef, p, x, y, num_classes, smoothing), AXIS)(params)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, jax.lax.pmean(loss, AXIS)
 
-    # check_vma=False: the all-reduced gradients are replicated by construction (every replica
-    # decodes the same bytes), which shard_map cannot infer through all_to_all/all_gather.
+    # The all-reduced gradients are typed invariant (replicated), so shard_map's default
+    # check_vma=True accepts replicated params and optimizer state as outputs.
     return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P(), P(AXIS), P(AXIS)),
-                                 out_specs=(P(), P(), P()), check_vma=False),
+                                 out_specs=(P(), P(), P())),
                    donate_argnums=(0, 1))
 
 

@@ -1,0 +1,132 @@
+"""Local gradients under ``shard_map``'s varying/invariant typing (docs/design.md section 6).
+
+Inside ``jax.shard_map`` with its default ``check_vma=True``, JAX types every value as
+*varying* over a mesh axis (it may differ between participants) or *invariant* (the same on
+all of them). Parameters passed in replicated (``P()``) are invariant, so ``jax.grad`` with
+respect to them already sums the gradient over the axis (the transpose of the implicit
+broadcast is an exact ``psum``): the gradients arrive reduced. Reducing them again with
+``compressed_psum`` would add N identical copies. So:
+
+- ``check_local`` refuses a value that is invariant over an axis it is asked to reduce over
+  (``compressed_psum``/``compressed_pmean`` and ``compressed_allreduce`` call it);
+- ``local_value_and_grad`` takes the gradient with respect to a *varying* copy of the
+  parameters, so each participant gets its own local gradient and the only reduction is
+  cgx's.
+
+Under ``pmap`` and ``shard_map(check_vma=False)`` JAX tracks nothing (every value's type
+says invariant, gradients are local already): nothing is refused and nothing is cast.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import jax
+from jax import lax
+
+from cgx_jax.collectives import axis_tuple
+
+
+def _varying(value) -> frozenset:
+    """The mesh axes ``value`` is typed varying over (empty where JAX does not say)."""
+    aval = jax.typeof(value)
+    manual = getattr(aval, "manual_axis_type", None)  # jax >= 0.10
+    if manual is not None:
+        return frozenset(manual.varying)
+    return frozenset(getattr(aval, "vma", ()))  # jax 0.7 - 0.9
+
+
+def vma_checked(axis_name) -> bool:
+    """Whether the enclosing ``shard_map`` checks varying axes for ``axis_name``: only then is
+    ``lax.axis_index`` typed varying (under ``pmap`` and ``check_vma=False`` it is not)."""
+    return bool(_varying(lax.axis_index(axis_name)))
+
+
+def check_local(tree, axis_name, paths, what: str = "the compressed all-reduce") -> None:
+    """``ValueError`` when vma checking is on and a leaf of ``tree`` (named by ``paths``) is
+    invariant over an axis of ``axis_name``: it is already reduced (or replicated), and
+    reducing it again would count it N times."""
+    axes = axis_tuple(axis_name)
+    if not vma_checked(axes):
+        return
+    for path, leaf in zip(paths, jax.tree_util.tree_leaves(tree)):
+        missing = tuple(a for a in axes if a not in _varying(leaf))
+        if missing:
+            raise ValueError(
+                f"{what} got {f'leaf {path!r}' if path else 'an array'} typed invariant over mesh axes {missing} inside "
+                f"shard_map (check_vma=True): every participant already holds the same value, "
+                f"so summing it would count it {lax.axis_size(missing)} times. "
+                f"Gradients arrive like this when jax.grad differentiates parameters passed in "
+                f"replicated (P()): JAX then reduces them exactly, and cgx would reduce them a "
+                f"second time. Take local gradients with cgx.local_value_and_grad(loss_fn, "
+                f"{axis_name!r}) (or jax.lax.pcast(params, {axis_name!r}, to='varying') before "
+                f"jax.grad) and reduce those; see the README's 'Data-parallel recipes'.")
+
+
+def _cast_to_varying(x, axes):
+    missing = tuple(a for a in axes if a not in _varying(x))
+    if not missing:
+        return x
+    if hasattr(lax, "pcast"):  # jax >= 0.9
+        return lax.pcast(x, missing, to="varying")
+    return lax.pvary(x, missing)
+
+
+def to_local(tree, axis_name):
+    """``tree`` with every leaf typed varying over ``axis_name`` (a no-op where vma checking
+    is off or a leaf is varying already), so ``jax.grad`` with respect to it gives each
+    participant its local gradient, with no reduction inserted."""
+    axes = axis_tuple(axis_name)
+    if not vma_checked(axes):
+        return tree
+    return jax.tree.map(lambda x: _cast_to_varying(x, axes), tree)
+
+
+def _is_nnx_module(value) -> bool:
+    if "flax" not in sys.modules:
+        return False
+    from flax import nnx
+    return isinstance(value, nnx.Module)
+
+
+def local_value_and_grad(fun, axis_name, *, argnums=0, has_aux: bool = False):
+    """``jax.value_and_grad(fun, argnums, has_aux)`` that returns each participant's *local*
+    loss and gradients inside ``shard_map`` (either ``check_vma``) or ``pmap``: the
+    differentiated arguments are cast to varying over ``axis_name`` first, so JAX inserts no
+    reduction and the gradients are ready for ``cgx.compressed_pmean`` or
+    ``cgx.compressed_allreduce``. A Flax NNX module among them is differentiated with
+    ``nnx.value_and_grad`` on a varying copy (the module passed in is not modified), so its
+    gradient is an ``nnx.State``.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, numpy as np, cgx_jax as cgx
+        >>> from jax.sharding import Mesh, PartitionSpec as P
+        >>> mesh = Mesh(np.array(jax.devices()), ("batch",))
+        >>> def step(w, x):  # w replicated, x this participant's rows
+        ...     loss, g = cgx.local_value_and_grad(lambda w: jnp.sum(w * x), "batch")(w)
+        ...     return cgx.compressed_pmean(g, "batch", codec=cgx.Codec(rounding="nearest"))
+        >>> f = jax.shard_map(step, mesh=mesh, in_specs=(P(), P("batch")), out_specs=P())
+        >>> f(jnp.ones(1024), jnp.full((len(jax.devices()), 1024), 3.0))[:3]  # not N * 3
+        Array([3., 3., 3.], dtype=float32)
+    """
+    positions = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+
+    def wrapped(*args, **kwargs):
+        args = list(args)
+        nnx_args = False
+        for i in positions:
+            if _is_nnx_module(args[i]):
+                from flax import nnx
+                graphdef, state = nnx.split(args[i])
+                args[i] = nnx.merge(graphdef, to_local(state, axis_name))
+                nnx_args = True
+            else:
+                args[i] = to_local(args[i], axis_name)
+        if nnx_args:
+            from flax import nnx
+            grad_fn = nnx.value_and_grad(fun, argnums=argnums, has_aux=has_aux)
+        else:
+            grad_fn = jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux)
+        return grad_fn(*args, **kwargs)
+
+    return wrapped
