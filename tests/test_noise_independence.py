@@ -17,7 +17,8 @@ and compared:
 - ``Q2 = sum_j (sum_blocks err_block[j])**2``: correlated errors between blocks (chunks of
   SRA encoded by one participant in both phases, ring hops, inner pieces) make it grow.
 
-The reference is a numpy simulation of the same algorithm, built from the numpy model of the
+The error's sum is also checked against zero (stochastic rounding through a whole algorithm
+stays unbiased). The reference is a numpy simulation of the same algorithm, built from the numpy model of the
 codec (tests/numpy_model.py) with fresh, independent noise for every encode. Both sides
 compute with the same f32 operations on the same values, so the expectations of Q1 and Q2
 agree exactly when the library's noise is independent; the test computes the standard
@@ -106,6 +107,9 @@ def z_score(got, want):
 
 
 def assert_independent(library_error, simulated_error, blocks):
+    # Unbiased first: the errors' sum is within Z_LIMIT standard errors of zero.
+    bias_z = library_error.sum() / np.sqrt(len(library_error) * library_error.var())
+    assert abs(bias_z) < Z_LIMIT, f"the error's mean is {bias_z:.1f} standard errors off zero"
     got, want = statistics(library_error, blocks), statistics(simulated_error, blocks)
     z1, z2 = z_score(got[0], want[0]), z_score(got[1], want[1])
     ratios = got[0][0] / want[0][0], got[1][0] / want[1][0]
