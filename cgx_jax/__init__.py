@@ -13,6 +13,7 @@ from cgx_jax.codec import Codec, packet_bytes, wire_bytes
 from cgx_jax.backends.ffi import has_cuda_support
 from cgx_jax.optax_transform import (CompressedAllReduceState, compressed_allreduce,
                                      shard_state, state_specs)
+from cgx_jax.memory import keep_freed_memory
 from cgx_jax.vma import local_value_and_grad
 from cgx_jax.policy import LayerPolicy, leaf_paths, summary, tree_wire_bytes
 
@@ -30,6 +31,7 @@ __all__ = [
     "dequantize",
     "fit_policy",
     "has_cuda_support",
+    "keep_freed_memory",
     "layer_errors",
     "leaf_paths",
     "local_value_and_grad",

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from cgx_jax import fusion
+from cgx_jax import fusion, memory
 from cgx_jax.backends import BACKENDS, get_backend
 from cgx_jax.codec import Codec, pad_to_multiple, padded_length, packet_bytes
 from cgx_jax.collectives import (ALGORITHMS, Plan, allreduce_buffer, axis_tuple, num_phases,
@@ -157,6 +157,8 @@ def reduce_tree(x, axis_name, *, codec=None, policy=None, key=None, algorithm="a
     else:
         codecs = policy.resolve_leaves(jax.tree_util.tree_unflatten(treedef, leaves))
     groups, exact = fusion.group_by_codec(leaves, codecs)
+    if groups:
+        memory.keep_freed_memory_on_cpu()  # reuse warm host pages step to step (memory.py)
 
     if any(c.stochastic for c in groups) and key is None:
         paths = [path_name(p) for p, _ in flat_with_paths]

@@ -99,6 +99,8 @@ def initialize(exit_on_exception: bool | None = None) -> tuple[int, int]:
     """
     import jax
 
+    from cgx_jax.memory import keep_freed_memory_on_cpu
+
     # Without this, CPU computations that span processes fail ("no cross-process
     # collectives implementation"); the GPU and TPU backends ignore it.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -112,6 +114,7 @@ def initialize(exit_on_exception: bool | None = None) -> tuple[int, int]:
             process_id=int(os.environ[ENV_PROCESS_ID]))
     else:
         jax.distributed.initialize()
+    keep_freed_memory_on_cpu()  # as a compressed collective would (cgx_jax/memory.py)
     return jax.process_index(), jax.process_count()
 
 

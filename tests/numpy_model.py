@@ -227,6 +227,8 @@ def reduce_requantize(peers: np.ndarray, own, own_index: int, seed, bits: int, b
     (peer ``own_index`` replaced by the raw f32 chunk ``own`` unless it is None), re-encodes
     the sum with counters 0..n-1. Returns (packet uint8[P], sum f32[n])."""
     peers = np.asarray(peers, np.uint8)
+    if own is not None and np.ndim(own) == 2:  # all rows given: row own_index is the own chunk
+        own = np.asarray(own)[own_index]
     decoded = dequantize_rows(peers, bits, bucket_size, n)
     total = np.zeros((n,), F32)
     for peer in range(peers.shape[0]):

@@ -179,6 +179,24 @@ def test_reduce_requantize_without_own_ignores_own_index():
         assert_same_floats(total, want_sum, f"own_index {own_index}")
 
 
+@pytest.mark.parametrize("own_dtype", [F32, BF16, F16], ids=str)
+def test_reduce_requantize_reads_row_own_index_of_all_rows(own_dtype):
+    # SRA passes its whole [N, n] buffer as own: the result must be the one of the [n] row.
+    codec = codec_of(3, 64, "stochastic")
+    rng = np.random.default_rng(5)
+    num_peers, n = 4, 640
+    peers = model.quantize_rows(realistic(rng, num_peers, n, 64), [7, 8], 3, 64, True)
+    rows, rows_f32 = as_dtype(realistic(rng, num_peers, n, 64), own_dtype)
+    seed = np.array([9, 10], np.uint32)
+    for own_index in range(num_peers):
+        want_packet, want_sum = model.reduce_requantize(
+            peers, rows_f32[own_index], own_index, seed, 3, 64, True, n)
+        packet, total = jit_reduce(on_cpu(peers), on_cpu(rows), np.int32(own_index), seed,
+                                   backend=ffi, codec=codec, n=n, emit_sum=True)
+        assert_bytes_equal(packet, want_packet, f"own row {own_index}")
+        assert_same_floats(total, want_sum, f"own row {own_index}")
+
+
 @pytest.mark.parametrize("own", [False, True])
 def test_reduce_requantize_matches_model_on_large_chunk(own):
     """3 peers x 2^18 values: enough work for the thread-pool split."""
@@ -479,6 +497,8 @@ FFI_ERROR_CASES = {
                          "peers row must hold"),
     "reduce seed of 3": (lambda: _reduce_call(seed=np.zeros(3, np.uint32)), "seed must hold 2"),
     "reduce own length": (lambda: _reduce_call(own=np.ones(8, np.float32)), "own must hold"),
+    "reduce own of 2 rows": (lambda: _reduce_call(own=np.ones(32, np.float32)),
+                             "own must hold n = 16 elements, all 3 rows"),
     "reduce own_index = N": (lambda: _reduce_call(own_index=3), "own_index"),
     "reduce own_index < 0": (lambda: _reduce_call(own_index=-1), "own_index"),
     "reduce packet length": (lambda: _reduce_call(packet=P16 - 1), "packet must hold"),

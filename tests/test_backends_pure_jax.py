@@ -105,13 +105,15 @@ def test_jax_backend_constant_bucket_has_zero_unit():
     np.testing.assert_array_equal(np.asarray(jnp_dequantize(jnp_packet, codec, 192, F32)), x)
 
 
-@pytest.mark.parametrize("with_own", [False, True])
+@pytest.mark.parametrize("with_own", [None, "chunk", "rows"])
 def test_jax_backend_reduce_requantize_matches_kernels(with_own):
     codec, n = codec_of(4, 1024, "stochastic"), 1 << 16
     rng = np.random.default_rng(7)
     chunks = rng.standard_normal((3, n)).astype(np.float32)
     peers = model.quantize_rows(chunks, [8, 9], 4, 1024, True)
-    own = rng.standard_normal(n).astype(np.float32) if with_own else None
+    # "rows": all three rows, of which both backends read row own_index = 1.
+    own = (None if with_own is None else
+           rng.standard_normal(n if with_own == "chunk" else (3, n)).astype(np.float32))
     seed = np.array([10, 11], np.uint32)
     kwargs = dict(codec=codec, n=n, emit_sum=True)
     kp, ks = jit_reduce(on_cpu(peers), own, np.int32(1), seed, backend=ffi, **kwargs)

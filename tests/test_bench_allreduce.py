@@ -77,7 +77,7 @@ def test_ratios_table_markdown_and_plot(tmp_path):
     table = allreduce.format_table(rows)
     assert "cgx sra 4b" in table and "5.00" in table
     markdown = allreduce.format_markdown(rows, "title")
-    assert "| 1gbit | 16M | cgx sra 4b | 160.00 |" in markdown
+    assert "| 1gbit | 16M | flat | cgx sra 4b | 160.00 |" in markdown
     assert "promoted the bf16 all-reduce to f32" in markdown
     pytest.importorskip("matplotlib")
     path = tmp_path / "speedup.png"
@@ -88,13 +88,20 @@ def test_ratios_table_markdown_and_plot(tmp_path):
 def test_unshaped_run_flat_and_hierarchical(tmp_path):
     out = tmp_path / "rows.json"
     done = run_cli("--processes", "2", "--devices-per-process", "2", "--link", "none",
-                   "--sizes", "4096", "--bits", "4", "8", "--algorithms", "sra",
-                   "hierarchical", "sra-wire", "--repeats", "1", "--warmup", "0",
-                   "--torch", "no", "--json", str(out))
+                   "--sizes", "8192", "--layouts", "flat", "mlp", "--bits", "4", "8",
+                   "--algorithms", "sra", "hierarchical", "sra-wire", "--repeats", "1",
+                   "--warmup", "0", "--torch", "no", "--json", str(out))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["processes"] == 2 and result["devices_per_process"] == 2
-    rows = {r["method"]: r for r in result["rows"]}
+    rows = {r["method"]: r for r in result["rows"] if r["layout"] == "flat"}
+    tree = {r["method"]: r for r in result["rows"] if r["layout"] == "mlp"}
+    # The pytree layout: the same values as four leaves, the same methods but the wire-only
+    # one, the same sums within the codec's error.
+    assert sorted(tree) == sorted(m for m in rows if not m.startswith("wire"))
+    assert all(r["page_faults"] >= 0 for r in result["rows"])
+    for method, bound in (("cgx sra 8b", 0.03), ("cgx sra 4b", 0.4)):
+        assert 0 < tree[method]["rel_error"] < bound
     assert sorted(rows) == sorted(["psum f32", "psum bf16", "cgx sra 4b", "cgx sra 8b",
                                    "cgx hier-sra 4b", "cgx hier-sra 8b", "wire sra 4b",
                                    "wire sra 8b"])
@@ -111,8 +118,9 @@ def test_unshaped_run_flat_and_hierarchical(tmp_path):
     markdown = tmp_path / "table.md"
     again = run_cli("--from-json", str(out), "--markdown", str(markdown))
     assert again.returncode == 0, again.stderr
-    assert "| none | 4K | cgx hier-sra 4b |" in markdown.read_text()
-    assert "| none | 4K | wire sra 8b |" in markdown.read_text()
+    assert "| none | 8K | flat | cgx hier-sra 4b |" in markdown.read_text()
+    assert "| none | 8K | mlp | cgx sra 8b |" in markdown.read_text()
+    assert "| none | 8K | flat | wire sra 8b |" in markdown.read_text()
     assert again.stdout.count("\n") > len(rows)  # the text table is printed too
 
 

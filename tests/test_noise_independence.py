@@ -28,7 +28,6 @@ error of each statistic from its terms and allows 5 of them.
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
 import cgx_jax as cgx

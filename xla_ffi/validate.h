@@ -104,8 +104,9 @@ inline xla::ffi::Error check_dequantize_args(int64_t bits, int64_t bucket_size,
   return check_count(packets_count, *rows * pbytes, "packets");
 }
 
-// reduce_requantize: peers [N, P(n)], seed [2], own_index [1], and the optional own [n],
-// packet [P(n)] and sum [n] (each full or empty).
+// reduce_requantize: peers [N, P(n)], seed [2], own_index [1], the optional own ([n], or
+// all N rows [N, n] of which row own_index is read, or empty), packet [P(n)] and sum [n]
+// (each full or empty).
 inline xla::ffi::Error check_reduce_requantize_args(
     int64_t bits, int64_t bucket_size, int64_t n, xla::ffi::Span<const int64_t> peers_dims,
     int64_t seed_count, int64_t own_index_count, int64_t own_count, int64_t packet_count,
@@ -119,7 +120,11 @@ inline xla::ffi::Error check_reduce_requantize_args(
   if (auto e = check_count(peer_bytes, pbytes, "peers row"); e.failure()) return e;
   if (auto e = check_count(seed_count, 2, "seed"); e.failure()) return e;
   if (auto e = check_count(own_index_count, 1, "own_index"); e.failure()) return e;
-  if (auto e = check_count_or_empty(own_count, n, "own"); e.failure()) return e;
+  if (own_count != 0 && own_count != n && own_count != *num_peers * n)
+    return xla::ffi::Error::InvalidArgument(
+        "own must hold n = " + std::to_string(n) + " elements, all " +
+        std::to_string(*num_peers) + " rows (" + std::to_string(*num_peers * n) +
+        "), or 0 to skip it, got " + std::to_string(own_count));
   if (auto e = check_count_or_empty(packet_count, pbytes, "packet"); e.failure()) return e;
   return check_count_or_empty(sum_count, n, "sum");
 }
@@ -158,7 +163,7 @@ auto reduce_requantize_binding() {
   return xla::ffi::Ffi::Bind()
       .Ctx<Context>()
       .template Arg<xla::ffi::Buffer<xla::ffi::U8>>()         // peers [N, P]
-      .template Arg<xla::ffi::AnyBuffer>()                    // own [n] or [0]
+      .template Arg<xla::ffi::AnyBuffer>()                    // own [n], [N, n] or [0]
       .template Arg<xla::ffi::Buffer<xla::ffi::S32>>()        // own_index []
       .template Arg<xla::ffi::Buffer<xla::ffi::U32>>()        // seed [2]
       .template Ret<xla::ffi::Buffer<xla::ffi::U8>>()         // packet [P] or [0]

@@ -100,7 +100,9 @@ def reduce_requantize(peers, own, own_index, seed, codec: Codec, n: int, *,
                       emit_packet: bool = True, emit_sum: bool = False):
     """The peer-to-peer reduction: decodes the ``N`` packets ``peers [N, P]`` of one chunk of
     ``n`` values, sums them in f32 in peer order 0..N-1 (peer ``own_index`` replaced by the raw
-    ``own`` chunk unless ``own`` is None) and re-encodes the sum as one packet.
+    ``own`` chunk unless ``own`` is None) and re-encodes the sum as one packet. ``own`` is the
+    ``[n]`` chunk or all ``[N, n]`` rows, of which the kernel reads row ``own_index`` (so a
+    caller holding the rows passes them without slicing out a copy).
 
     Returns ``(packet uint8[P] or None, sum f32[n] or None)``.
     """

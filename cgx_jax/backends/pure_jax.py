@@ -108,6 +108,8 @@ def reduce_requantize(peers, own, own_index, seed, codec: Codec, n: int, *,
     if peers.shape[1] != packet_bytes(n, codec):
         raise ValueError(f"peers rows must hold {packet_bytes(n, codec)} bytes, got {peers.shape[1]}")
     decoded = dequantize_rows(peers, codec, n, jnp.float32)
+    if own is not None and own.ndim == 2:  # all rows given: row own_index is the own chunk
+        own = jax.lax.dynamic_index_in_dim(own, own_index, axis=0, keepdims=False)
     if own is not None:
         is_own = jnp.arange(num_peers)[:, None] == own_index
         decoded = jnp.where(is_own, own.astype(jnp.float32)[None, :], decoded)

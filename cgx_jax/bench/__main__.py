@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import sys
 
-USAGE = """usage: python -m cgx_jax.bench {kernels,allreduce} [options]
+USAGE = """usage: python -m cgx_jax.bench {kernels,allreduce,train} [options]
 
   kernels     quantize / dequantize / reduce_requantize throughput against a copy
   allreduce   psum vs bf16 psum vs compressed_psum across N processes on an emulated
               (netns + tc) link
+  train       data-parallel training steps (exact pmean vs cgx) across N processes on an
+              emulated link: s/step, the no-all-reduce floor, wire bytes, loss
 
 python -m cgx_jax.bench COMMAND -h shows the options of one."""
 
@@ -22,6 +24,9 @@ def main(argv=None) -> int:
     if command == "allreduce":
         from cgx_jax.bench import allreduce
         return allreduce.main(rest)
+    if command == "train":
+        from cgx_jax.bench import train
+        return train.main(rest)
     if command in ("-h", "--help"):
         print(USAGE)
         return 0

@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import resource
 import os
 import shutil
 import signal
@@ -39,13 +40,23 @@ import tempfile
 import textwrap
 import time
 
-from cgx_jax.bench.common import keep_freed_memory_mapped, parse_size, size_label
+from cgx_jax.bench.common import parse_size, size_label
 from cgx_jax.netem import argument_problem, parse_rate, shaped_network
 
 NS_PREFIX = "cgxbench"
 PORT = 23456
 
 # --------------------------------------------------------------------------- worker
+
+MLP_KERNELS = (784 * 2048, 2048 * 2048, 2048 * 2048, 2048 * 10)
+
+
+def mlp_leaf_sizes(size: int) -> list[int]:
+    """``size`` values split as the kernels of an MLP 784-2048-2048-2048-10 are."""
+    total = sum(MLP_KERNELS)
+    sizes = [max(1, size * k // total) for k in MLP_KERNELS[:-1]]
+    return sizes + [size - sum(sizes)]
+
 
 def _worker(args) -> None:
     from cgx_jax import launch as _launch
@@ -62,7 +73,6 @@ def _worker(args) -> None:
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
     import cgx_jax as cgx
-    keep_freed_memory_mapped()
     per_process = len(jax.local_devices())
     # Process-major (num_processes, per_process) grid: "proc" crosses the network, "dev" is
     # the devices inside one process (hierarchical runs reduce over it exactly first).
@@ -80,21 +90,25 @@ def _worker(args) -> None:
               flush=True)
 
     def program(body):
-        return jax.jit(jax.shard_map(lambda v: body(v[0])[None], mesh=mesh, in_specs=spec,
-                                     out_specs=spec))
+        return jax.jit(jax.shard_map(
+            lambda t: jax.tree.map(lambda v: v[None], body(jax.tree.map(lambda v: v[0], t))),
+            mesh=mesh, in_specs=spec, out_specs=spec))
 
     def time_it(fn, x):
         for _ in range(args.warmup):
             jax.block_until_ready(fn(x))  # one program in flight at a time (docs/design.md 9)
-        times = []
+        times, faults = [], []
         for _ in range(args.repeats):
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             start = time.perf_counter()
             out = jax.block_until_ready(fn(x))
             times.append(time.perf_counter() - start)
-        return statistics.median(times), times, out
+            faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+        return statistics.median(times), times, statistics.median(faults), out
 
-    def own_row(array):
-        return np.asarray(array.addressable_shards[0].data[0], np.float32)
+    def own_row(tree):
+        return np.concatenate([np.asarray(leaf.addressable_shards[0].data[0], np.float32)
+                               for leaf in jax.tree.leaves(tree)])
 
     def wire_only(codec, size):
         """SRA's collectives on packets of its byte count, nothing encoded or decoded."""
@@ -125,22 +139,32 @@ def _worker(args) -> None:
     if rank == 0 and len(algorithms) < len(args.algorithms):
         print("  (hierarchical needs --devices-per-process 2 or more: skipped)", flush=True)
     rows = []
-    for size in args.sizes:
-        pieces = []
-        for device in local:
-            index = int(np.flatnonzero(grid.reshape(-1) == device)[0])
-            row = np.random.default_rng(1000 + index).standard_normal(size, dtype=np.float32)
-            pieces.append(jax.device_put(row[None], device))
-        x = jax.make_array_from_single_device_arrays((n, size), sharding, pieces)
-        del pieces
+    for size, layout in [(s, layout) for s in args.sizes for layout in args.layouts]:
+        # "mlp": the same values as the kernels of an MLP 784-2048-2048-2048-10, scaled to
+        # the size: separate leaves, as an optimizer's gradient pytree arrives.
+        bounds = np.cumsum([0] + mlp_leaf_sizes(size)) if layout == "mlp" else [0, size]
+        leaves = {}
+        for leaf, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
+            pieces = []
+            for device in local:
+                index = int(np.flatnonzero(grid.reshape(-1) == device)[0])
+                row = np.random.default_rng(1000 + index).standard_normal(size, np.float32)
+                pieces.append(jax.device_put(row[None, lo:hi], device))
+            leaves[f"leaf{leaf}"] = jax.make_array_from_single_device_arrays(
+                (n, hi - lo), sharding, pieces)
+        x = leaves["leaf0"] if layout == "flat" else leaves
+        del pieces, leaves
         methods = [("psum f32", "", 32, lambda v: jax.lax.psum(v, axes)),
                    ("psum bf16", "", 16,
-                    lambda v: jax.lax.psum(v.astype(jnp.bfloat16), axes).astype(jnp.float32))]
+                    lambda t: jax.tree.map(lambda v: v.astype(jnp.float32), jax.lax.psum(
+                        jax.tree.map(lambda v: v.astype(jnp.bfloat16), t), axes)))]
         for algorithm in algorithms:
             for bits in args.bits:
                 codec = cgx.Codec(bits=bits, bucket_size=args.bucket_size,
                                   rounding=args.rounding)
                 if algorithm == "sra-wire":
+                    if layout != "flat":
+                        continue  # the wire of the same values: the flat row has it
                     methods.append((f"wire sra {bits}b", algorithm, bits,
                                     wire_only(codec, size)))
                     continue
@@ -156,7 +180,7 @@ def _worker(args) -> None:
                 hlo = fn.lower(x).compile().as_text()
                 promoted = any(" all-reduce(" in line and "= f32[" in line
                                for line in hlo.splitlines())
-            seconds, times, out = time_it(fn, x)
+            seconds, times, faults, out = time_it(fn, x)
             row_out = own_row(out)
             del out
             if reference is None:
@@ -166,12 +190,13 @@ def _worker(args) -> None:
                 error = None  # its output is bytes, not a sum
             else:
                 error = float(np.linalg.norm(row_out - reference) / np.linalg.norm(reference))
-            rows.append(dict(elements=size, method=name, algorithm=algorithm, bits=bits,
-                             seconds=seconds, times=times, rel_error=error,
-                             wire_promoted_to_f32=promoted))
+            rows.append(dict(elements=size, layout=layout, method=name, algorithm=algorithm,
+                             bits=bits, seconds=seconds, times=times, rel_error=error,
+                             page_faults=faults, wire_promoted_to_f32=promoted))
             if rank == 0:
-                print(f"  {size_label(size):>5} {name:<16} {seconds * 1e3:10.2f} ms  "
-                      f"rel err {_error_text(error, '.3e')}", flush=True)
+                print(f"  {size_label(size):>5} {layout:<4} {name:<16} {seconds * 1e3:10.2f} ms"
+                      f"  {faults:7.0f} page faults  rel err {_error_text(error, '.3e')}",
+                      flush=True)
         del x, reference
     if rank == 0:
         with open(args.out, "w") as f:
@@ -279,7 +304,8 @@ def add_ratios(rows: list[dict], num_participants: int) -> list[dict]:
     size; keeps the order links, sizes, JAX rows, torch rows."""
     groups = {}
     for r in rows:
-        groups.setdefault((r.get("link", ""), r["elements"]), []).append(r)
+        r.setdefault("layout", "flat")
+        groups.setdefault((r.get("link", ""), r["elements"], r["layout"]), []).append(r)
     out = []
     for group in groups.values():
         base = {r["method"]: r["seconds"] for r in group if r["method"].startswith("psum ")}
@@ -297,15 +323,20 @@ def _error_text(error, spec: str) -> str:
     return "-" if error is None else format(error, spec)
 
 
+def _faults_text(r) -> str:
+    return "-" if r.get("page_faults") is None else f"{r['page_faults']:.0f}"
+
+
 def format_table(rows: list[dict]) -> str:
-    header = (f"{'link':<8} {'size':>6} {'method':<18} {'ms':>10} {'algbw GB/s':>11} "
-              f"{'x f32':>7} {'x bf16':>7} {'rel err':>9}")
+    header = (f"{'link':<8} {'size':>6} {'layout':<6} {'method':<18} {'ms':>10} "
+              f"{'algbw GB/s':>11} {'x f32':>7} {'x bf16':>7} {'rel err':>9} {'faults':>7}")
     lines = [header, "-" * len(header)]
     for r in rows:
-        lines.append(f"{r.get('link', ''):<8} {size_label(r['elements']):>6} {r['method']:<18} "
+        lines.append(f"{r.get('link', ''):<8} {size_label(r['elements']):>6} "
+                     f"{r['layout']:<6} {r['method']:<18} "
                      f"{r['seconds'] * 1e3:>10.2f} {r['algbw_gb_per_s']:>11.3f} "
                      f"{r['vs_f32']:>7.2f} {r['vs_bf16']:>7.2f} "
-                     f"{_error_text(r['rel_error'], '.2e'):>9}")
+                     f"{_error_text(r['rel_error'], '.2e'):>9} {_faults_text(r):>7}")
     return "\n".join(lines)
 
 
@@ -316,13 +347,14 @@ _PROMOTED_NOTE = ("XLA promoted the bf16 all-reduce to f32 (compiled HLO), so `p
 def format_markdown(rows: list[dict], title: str) -> str:
     notes = f"\n\n{_PROMOTED_NOTE}" if any(r.get("wire_promoted_to_f32") for r in rows) else ""
     lines = [f"{title}{notes}", "",
-             "| link | size | method | ms | algbw GB/s | x f32 psum | x bf16 psum | rel. error |",
-             "|:---|---:|:---|---:|---:|---:|---:|---:|"]
+             "| link | size | layout | method | ms | algbw GB/s | x f32 psum | x bf16 psum "
+             "| rel. error | page faults/call |",
+             "|:---|---:|:---|:---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        lines.append(f"| {r.get('link', '')} | {size_label(r['elements'])} | {r['method']} "
-                     f"| {r['seconds'] * 1e3:.2f} | {r['algbw_gb_per_s']:.3f} "
+        lines.append(f"| {r.get('link', '')} | {size_label(r['elements'])} | {r['layout']} "
+                     f"| {r['method']} | {r['seconds'] * 1e3:.2f} | {r['algbw_gb_per_s']:.3f} "
                      f"| {r['vs_f32']:.2f} | {r['vs_bf16']:.2f} "
-                     f"| {_error_text(r['rel_error'], '.2e')} |")
+                     f"| {_error_text(r['rel_error'], '.2e')} | {_faults_text(r)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -340,7 +372,9 @@ def plot(rows: list[dict], path: str, title: str) -> None:
 
     links = sorted(dict.fromkeys(r["link"] for r in rows), key=_link_order)
     sizes = list(dict.fromkeys(r["elements"] for r in rows))
-    methods = [m for m in dict.fromkeys(r["method"] for r in rows) if m != "psum f32"]
+    for r in rows:  # one line per method and layout
+        r["series"] = r["method"] + ("" if r.get("layout", "flat") == "flat" else f" ({r['layout']})")
+    methods = [m for m in dict.fromkeys(r["series"] for r in rows) if m != "psum f32"]
     fig, axes = plt.subplots(1, len(sizes), figsize=(4.2 * len(sizes) + 1.8, 4.2),
                              sharey=True, squeeze=False)
     styles = {"cgx": "-", "psum": "--", "torch": ":", "wire": "-."}
@@ -348,7 +382,7 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     for ax, size in zip(axes[0], sizes):
         for method in methods:
             points = {r["link"]: r["vs_f32"] for r in rows
-                      if r["elements"] == size and r["method"] == method}
+                      if r["elements"] == size and r["series"] == method}
             xs = [i for i, link in enumerate(links) if link in points]
             if not xs:
                 continue
@@ -403,6 +437,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sizes", type=parse_size, nargs="+", default=[1 << 20, 16 << 20],
                    help="gradient sizes in f32 elements: 1M 16M 64M (default 1M 16M)")
     p.add_argument("--bits", type=int, nargs="+", default=[2, 4, 8])
+    p.add_argument("--layouts", nargs="+", default=["flat"], choices=["flat", "mlp"],
+                   help="flat: one array per size; mlp: the same values as four leaves split "
+                        "as the kernels of an MLP 784-2048-2048-2048-10 (a gradient pytree)")
     p.add_argument("--algorithms", nargs="+", default=["sra"],
                    choices=["sra", "ring", "allgather", "auto", "hierarchical", "sra-wire"],
                    help="compressed_psum algorithms to time; hierarchical: exact inside a "
@@ -437,6 +474,7 @@ def _worker_arguments(args, out: str, coordinator: str | None, kind: str = "--wo
                       ) -> list[str]:
     cmd = [sys.executable, "-m", "cgx_jax.bench.allreduce", kind, "--out", out,
            "--sizes", *map(str, args.sizes), "--bits", *map(str, args.bits),
+           "--layouts", *args.layouts,
            "--algorithms", *args.algorithms, "--bucket-size", str(args.bucket_size),
            "--rounding", args.rounding, "--repeats", str(args.repeats),
            "--warmup", str(args.warmup)]

@@ -1,10 +1,9 @@
-"""What both benchmarks share: element counts written with suffixes, and the process set-up
-they time under (docs/design.md section 9)."""
+"""What the benchmarks share: element counts written with suffixes (docs/design.md section
+9)."""
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import re
 
 _SUFFIXES = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
@@ -29,15 +28,3 @@ def size_label(size: int) -> str:
         if size % _SUFFIXES[suffix] == 0:
             return f"{size // _SUFFIXES[suffix]}{suffix}"
     return str(size)
-
-
-def keep_freed_memory_mapped() -> None:
-    """Keeps freed buffers in the process (glibc mallopt), so each timed call reuses warm
-    pages for XLA's output buffer the way a training loop does, instead of page-faulting a
-    fresh multi-megabyte mmap. No-op off glibc."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD
-        libc.mallopt(-3, 1 << 30)  # M_MMAP_THRESHOLD
-    except (OSError, AttributeError):
-        pass

@@ -20,7 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from cgx_jax.backends import ffi
-from cgx_jax.bench.common import keep_freed_memory_mapped, parse_size
+from cgx_jax.bench.common import parse_size
+from cgx_jax.memory import keep_freed_memory_on_cpu
 from cgx_jax.codec import Codec, packet_bytes
 
 
@@ -109,7 +110,7 @@ def main(argv=None) -> int:
     if bad_bits:
         parser.error(f"--bits must be 1..8, got {bad_bits}")
 
-    keep_freed_memory_mapped()
+    keep_freed_memory_on_cpu()  # what the library applies in a process using it
     device = jax.devices(args.platform)[0] if args.platform else jax.devices()[0]
     sizes = [s - s % (1024 * args.peers) for s in args.sizes]
     rows = kernel_rows(sizes, args.bits, args.peers, args.repeats, device)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import jax.numpy as jnp
-from jax import lax
 
 from cgx_jax.collectives.transport import exchange_rows, gather_packets
 
@@ -22,7 +21,8 @@ def scatter_reduce_allgather(buf, axis_name, index, num_participants, seeds, cod
         lost = rows - backend.dequantize_rows(packets, codec, chunk, "float32")
         error = jnp.where(jnp.arange(num_participants)[:, None] == index, 0.0, lost).reshape(-1)
     received = exchange_rows(packets, axis_name, index, num_participants)
-    own = lax.dynamic_index_in_dim(rows, index, axis=0, keepdims=False)
-    reduced, _ = backend.reduce_requantize(received, own, index, seeds[1], codec, chunk)
+    # The kernel reads the own chunk from the rows: slicing it out here would make XLA
+    # materialize the fused buffer a second time for the slice.
+    reduced, _ = backend.reduce_requantize(received, rows, index, seeds[1], codec, chunk)
     gathered = gather_packets(reduced, axis_name, num_participants)
     return backend.dequantize_rows(gathered, codec, chunk, "float32").reshape(-1), error

@@ -228,6 +228,12 @@ ffi::Error ReduceRequantize(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> peers, ff
                                        ") when own is given, got " +
                                        std::to_string(job.own_index));
   }
+  // own given as all N rows (SRA's input buffer, so no copy of the own chunk): read row
+  // own_index.
+  if (job.own != nullptr && num_peers > 1 && own.element_count() == num_peers * n) {
+    const int64_t element_bytes = job.own_type == ElementType::kF32 ? 4 : 2;
+    job.own = static_cast<const char*>(job.own) + job.own_index * n * element_bytes;
+  }
   if (n == 0 || (job.packet_out == nullptr && job.sum_out == nullptr))
     return ffi::Error::Success();
   parallel_for(pool, n / bucket_size, bucket_size * num_peers,

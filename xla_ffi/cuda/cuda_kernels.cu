@@ -381,6 +381,7 @@ struct ReduceArgs {
   int64_t num_peers;
   int64_t n;
   const int32_t* own_index;  // device scalar
+  int64_t own_row_stride;    // n when own holds all N rows (row own_index is read), else 0
   const uint32_t* seed;      // device [2]
   int bits;
   int64_t bucket_size;
@@ -412,6 +413,7 @@ __global__ void __launch_bounds__(kThreads)
   // [0, num_peers): such an index matches no peer and every peer's packet is decoded.
   // The Python wrappers always pass a valid index.
   const int64_t own_peer = own ? static_cast<int64_t>(*a.own_index) : -1;
+  if (own_peer >= 0 && own_peer < a.num_peers) own += own_peer * a.own_row_stride;
   const int64_t nb = a.n / a.bucket_size;
   const int64_t pbytes = packet_bytes(a.n, a.bits, a.bucket_size);
   const int64_t cbytes = code_bytes_per_bucket(a.bits, a.bucket_size);
@@ -655,6 +657,7 @@ ffi::Error ReduceRequantize(cudaStream_t stream, ffi::Buffer<ffi::U8> peers, ffi
                         num_peers,
                         n,
                         own_index.typed_data(),
+                        num_peers > 1 && own.element_count() == num_peers * n ? n : 0,
                         seed.typed_data(),
                         static_cast<int>(bits),
                         bucket_size,

@@ -1,0 +1,478 @@
+"""End-to-end data-parallel training steps across real processes on an emulated network:
+``python -m cgx_jax.bench train --processes 4 --link 1gbit [--models mlp vit] ...``.
+
+Each process is one participant (the allreduce benchmark's network: a namespace per
+process behind ``tc tbf`` veth links, ``cgx_jax.netem``; docs/design.md section 9). Every
+process runs plain library defaults: nothing in it is tuned beyond what a user's training
+process has. Per model and mode it times the median seconds per step over ``--repeats``
+steps after ``--warmup`` steps, and reports the global mean loss after all of them:
+
+- ``floor``: the step with no all-reduce at all (each process applies its own gradient),
+  the compute-only time any method pays;
+- ``exact``: ``optax.chain(pmean, adam)``, the f32 all-reduce of every gradient leaf;
+- ``cgx``: ``optax.chain(cgx.compressed_allreduce(axis), adam)`` with library defaults;
+- ``cgx 4b`` / ``cgx 2b``: every leaf of at least 16,384 values at 4 / 2 bits;
+- ``adaptive``: per-layer bits fitted by ``cgx.fit_policy`` on the first step's gradients,
+  on the byte budget of uniform 4 bits.
+
+Models (gradients shaped as in real training): ``mlp``, an MLP 784-2048-2048-2048-10 (10M
+parameters, the ``--batch`` per process of 28x28 inputs, ten classes); ``vit``, a ViT on
+32x32x3 images (patch 4, width 512, depth 6, MLP 2048: 19M parameters). The data is
+synthetic: inputs from a fixed seed per process and labels from a fixed random teacher, so
+the loss falls and every run sees the same batches.
+
+The report: s/step, the floor, the bytes one participant all-reduces per step against f32,
+the speedup over ``exact``, and the loss after the last step. ``--json``, ``--markdown``,
+``--plot`` as in the allreduce benchmark.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+
+from cgx_jax.netem import argument_problem, shaped_network
+
+NS_PREFIX = "cgxtrain"
+PORT = 23476
+MODES = ("floor", "exact", "cgx", "cgx 4b", "cgx 2b", "adaptive")
+MODELS = ("mlp", "vit")
+
+
+# --------------------------------------------------------------------------- models
+
+def mlp_init(key, hidden=2048):
+    """Params of an MLP 784-hidden-hidden-hidden-10: {"layer{i}": {"kernel", "bias"}}."""
+    import jax
+    import jax.numpy as jnp
+
+    sizes = (784, hidden, hidden, hidden, 10)
+    params = {}
+    for i, (fan_in, fan_out) in enumerate(zip(sizes[:-1], sizes[1:])):
+        key, sub = jax.random.split(key)
+        params[f"layer{i}"] = {
+            "kernel": jax.random.normal(sub, (fan_in, fan_out)) / jnp.sqrt(fan_in),
+            "bias": jnp.zeros((fan_out,))}
+    return params
+
+
+def mlp_apply(params, x):
+    import jax
+
+    layers = [params[f"layer{i}"] for i in range(len(params))]
+    for layer in layers[:-1]:
+        x = jax.nn.relu(x @ layer["kernel"] + layer["bias"])
+    return x @ layers[-1]["kernel"] + layers[-1]["bias"]
+
+
+VIT = dict(patch=4, width=512, depth=6, mlp=2048, heads=8, image=32, channels=3)
+
+
+def vit_init(key, width=VIT["width"], depth=VIT["depth"], mlp=VIT["mlp"]):
+    """Params of a ViT with pre-norm blocks (attention + MLP), a class token and a head."""
+    import jax
+    import jax.numpy as jnp
+
+    patches = (VIT["image"] // VIT["patch"]) ** 2
+    keys = iter(jax.random.split(key, 4 + 4 * depth))
+
+    def dense(fan_in, fan_out):
+        return {"kernel": jax.random.normal(next(keys), (fan_in, fan_out)) / jnp.sqrt(fan_in),
+                "bias": jnp.zeros((fan_out,))}
+
+    def norm():
+        return {"scale": jnp.ones((width,)), "bias": jnp.zeros((width,))}
+
+    params = {"embed": dense(VIT["patch"] ** 2 * VIT["channels"], width),
+              "position": 0.02 * jax.random.normal(next(keys), (patches + 1, width)),
+              "cls": jnp.zeros((1, width)), "norm": norm(), "head": dense(width, 10)}
+    for i in range(depth):
+        params[f"block{i}"] = {"norm1": norm(), "qkv": dense(width, 3 * width),
+                               "out": dense(width, width), "norm2": norm(),
+                               "fc1": dense(width, mlp), "fc2": dense(mlp, width)}
+    return params
+
+
+def vit_apply(params, images):
+    import jax
+    import jax.numpy as jnp
+
+    def layer_norm(p, x):
+        mean = x.mean(-1, keepdims=True)
+        var = ((x - mean) ** 2).mean(-1, keepdims=True)
+        return (x - mean) * jax.lax.rsqrt(var + 1e-6) * p["scale"] + p["bias"]
+
+    def dense(p, x):
+        return x @ p["kernel"] + p["bias"]
+
+    b, patch, heads = images.shape[0], VIT["patch"], VIT["heads"]
+    side = VIT["image"] // patch
+    x = images.reshape(b, side, patch, side, patch, VIT["channels"])
+    x = x.transpose(0, 1, 3, 2, 4, 5).reshape(b, side * side, -1)
+    x = dense(params["embed"], x)
+    x = jnp.concatenate([jnp.broadcast_to(params["cls"], (b, 1, x.shape[-1])), x], axis=1)
+    x = x + params["position"]
+    depth = sum(name.startswith("block") for name in params)
+    for i in range(depth):
+        p = params[f"block{i}"]
+        q, k, v = jnp.split(dense(p["qkv"], layer_norm(p["norm1"], x)), 3, axis=-1)
+        q, k, v = (t.reshape(b, -1, heads, t.shape[-1] // heads) for t in (q, k, v))
+        attention = jax.nn.dot_product_attention(q, k, v)
+        x = x + dense(p["out"], attention.reshape(b, -1, q.shape[-1] * heads))
+        x = x + dense(p["fc2"], jax.nn.gelu(dense(p["fc1"], layer_norm(p["norm2"], x))))
+    return dense(params["head"], layer_norm(params["norm"], x[:, 0]))
+
+
+def model_fns(name, hidden=2048):
+    """(init(key), apply(params, x), input shape of one example)."""
+    if name == "mlp":
+        return lambda key: mlp_init(key, hidden), mlp_apply, (784,)
+    return vit_init, vit_apply, (VIT["image"], VIT["image"], VIT["channels"])
+
+
+# --------------------------------------------------------------------------- worker
+
+def _worker(args) -> None:
+    from cgx_jax import launch as _launch
+
+    if args.coordinator:
+        os.environ[_launch.ENV_COORDINATOR] = args.coordinator
+    rank, num_processes = _launch.initialize()
+
+    import functools
+    import statistics
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    import cgx_jax as cgx
+
+    axis = "d"
+    mesh = Mesh(np.array(sorted(jax.devices(), key=lambda d: (d.process_index, d.id))), (axis,))
+    n = mesh.size
+    local = [d for d in mesh.devices.reshape(-1) if d.process_index == jax.process_index()]
+    steps = args.warmup + args.repeats
+    rows = []
+
+    def exact_pmean():
+        return optax.GradientTransformation(
+            lambda params: optax.EmptyState(),
+            lambda updates, state, params=None: (jax.lax.pmean(updates, axis), state))
+
+    for model in args.models:
+        init, apply, example_shape = model_fns(model, args.mlp_hidden)
+        params = init(jax.random.key(0))
+        teacher = init(jax.random.key(1))
+
+        def loss_fn(params, batch):
+            x, y = batch
+            logits = apply(params, x)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+        # The same batches in every run: inputs from a seed per (process, step), labels from
+        # the teacher, placed as this process's shard of a global batch.
+        batches = []
+        for step in range(min(steps, 8)):
+            xs, ys = [], []
+            for device in local:
+                index = int(np.flatnonzero(mesh.devices.reshape(-1) == device)[0])
+                rng = np.random.default_rng([step, index])
+                x = rng.standard_normal((args.batch, *example_shape), dtype=np.float32)
+                y = np.asarray(jnp.argmax(apply(teacher, jnp.asarray(x)), -1), np.int32)
+                xs.append(jax.device_put(x, device))
+                ys.append(jax.device_put(y, device))
+            sharding = NamedSharding(mesh, P(axis))
+            batches.append(tuple(
+                jax.make_array_from_single_device_arrays((n * args.batch, *a[0].shape[1:]),
+                                                         sharding, a) for a in (xs, ys)))
+
+        f32_bytes = sum(4 * leaf.size for leaf in jax.tree.leaves(params))
+        for mode in args.modes:
+            if mode == "floor":
+                tx, policy = optax.adam(1e-3), None
+            elif mode == "exact":
+                tx, policy = optax.chain(exact_pmean(), optax.adam(1e-3)), None
+            else:
+                if mode == "cgx":
+                    policy = cgx.LayerPolicy()
+                elif mode == "adaptive":
+                    policy = None  # fitted below from the first step's local gradients
+                else:
+                    policy = cgx.LayerPolicy(default=cgx.Codec(bits=int(mode[4])))
+                if policy is None:
+                    # The summed gradient (the same on every process, so every process
+                    # fits the same policy and compiles the same collectives).
+                    grad = jax.jit(jax.shard_map(jax.grad(loss_fn), mesh=mesh,
+                                                 in_specs=(P(), P(axis)), out_specs=P()))
+                    summed = jax.tree.map(lambda g: np.asarray(g.addressable_shards[0].data),
+                                          grad(params, batches[0]))
+                    policy = cgx.fit_policy(summed, budget_bits=4.0, base=cgx.LayerPolicy())
+                tx = optax.chain(cgx.compressed_allreduce(axis, policy=policy),
+                                 optax.adam(1e-3))
+            state = tx.init(params)
+            if mode == "floor":
+                state_specs = jax.tree.map(lambda _: P(axis), state)
+                state = jax.tree.map(
+                    lambda leaf: jax.device_put(jnp.broadcast_to(leaf, (n, *leaf.shape)),
+                                                NamedSharding(mesh, P(axis))), state)
+            else:
+                state = cgx.shard_state(state, mesh, axis)
+                state_specs = cgx.state_specs(state, axis)
+            param_specs = jax.tree.map(lambda _: P(axis) if mode == "floor" else P(), params)
+            # Placed as the step returns them, so the second step does not compile again.
+            run_params = jax.device_put(params, NamedSharding(mesh, P())) if mode != "floor" \
+                else jax.tree.map(lambda leaf: jax.device_put(
+                    jnp.broadcast_to(leaf, (n, *leaf.shape)), NamedSharding(mesh, P(axis))),
+                    params)
+
+            @jax.jit
+            @functools.partial(jax.shard_map, mesh=mesh,
+                               in_specs=(param_specs, state_specs, P(axis)),
+                               out_specs=(param_specs, state_specs, P()))
+            def train_step(params, state, batch, mode=mode, tx=tx):
+                if mode == "floor":  # this process's own model, its own gradient
+                    params, state = jax.tree.map(lambda v: v[0], (params, state))
+                    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+                else:
+                    loss, grads = cgx.local_value_and_grad(loss_fn, axis)(params, batch)
+                updates, state = tx.update(grads, state, params)
+                params = optax.apply_updates(params, updates)
+                if mode == "floor":
+                    params, state = jax.tree.map(lambda v: v[None], (params, state))
+                return params, state, jax.lax.pmean(loss, axis)
+
+            p, s = run_params, state
+            times = []
+            for step in range(steps):
+                start = time.perf_counter()
+                p, s, loss = jax.block_until_ready(train_step(p, s, batches[step % len(batches)]))
+                times.append(time.perf_counter() - start)
+            timed = times[args.warmup:]
+            wire = f32_bytes if mode == "exact" else (
+                0 if mode == "floor" else cgx.tree_wire_bytes(policy, params))
+            rows.append(dict(model=model, mode=mode, seconds=statistics.median(timed),
+                             times=timed, loss=float(loss), steps=steps,
+                             parameters=f32_bytes // 4, wire_bytes=wire, f32_bytes=f32_bytes))
+            if rank == 0:
+                print(f"  {model:<4} {mode:<9} {statistics.median(timed) * 1e3:9.1f} ms/step  "
+                      f"loss {float(loss):.4f} after {steps} steps", flush=True)
+    if rank == 0:
+        with open(args.out, "w") as f:
+            json.dump(rows, f)
+    from jax.experimental import multihost_utils
+    multihost_utils.sync_global_devices("cgx_bench_train_done")
+
+
+# --------------------------------------------------------------------------- report
+
+def add_ratios(rows: list[dict]) -> list[dict]:
+    """Adds, per link and model, the floor and the speedup over ``exact``."""
+    for r in rows:
+        same = [o for o in rows if o["model"] == r["model"] and o.get("link") == r.get("link")]
+        base = {o["mode"]: o["seconds"] for o in same}
+        r["floor_seconds"] = base.get("floor")
+        r["vs_exact"] = base["exact"] / r["seconds"] if "exact" in base else None
+        r["wire_ratio"] = r["f32_bytes"] / r["wire_bytes"] if r["wire_bytes"] else None
+    return rows
+
+
+def _fmt(value, spec):
+    return "-" if value is None else format(value, spec)
+
+
+def format_table(rows: list[dict]) -> str:
+    header = (f"{'link':<7} {'model':<5} {'params':>7} {'mode':<9} {'s/step':>8} "
+              f"{'floor':>7} {'f32/wire':>9} {'x exact':>8} {'loss':>8}")
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        lines.append(
+            f"{r.get('link', ''):<7} {r['model']:<5} {r['parameters'] / 1e6:>6.1f}M "
+            f"{r['mode']:<9} {r['seconds']:>8.3f} {_fmt(r['floor_seconds'], '7.3f'):>7} "
+            f"{_fmt(r['wire_ratio'], '8.2f'):>9} {_fmt(r['vs_exact'], '7.2f'):>8} "
+            f"{r['loss']:>8.4f}")
+    return "\n".join(lines)
+
+
+def format_markdown(rows: list[dict], title: str) -> str:
+    lines = [title, "", "| link | model | mode | s/step | floor | f32/wire bytes | x exact | "
+             "loss |", "|:---|:---|:---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r.get('link', '')} | {r['model']} ({r['parameters'] / 1e6:.1f}M) "
+                     f"| {r['mode']} | {r['seconds']:.3f} | {_fmt(r['floor_seconds'], '.3f')} "
+                     f"| {_fmt(r['wire_ratio'], '.2f')} | {_fmt(r['vs_exact'], '.2f')} "
+                     f"| {r['loss']:.4f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], path: str, title: str) -> None:
+    """Seconds per step per mode, one panel per model, the floor as a dotted line."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 3.8), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        mine = [r for r in rows if r["model"] == model and r["mode"] != "floor"]
+        labels = [f"{r['mode']}\n{r.get('link', '')}" for r in mine]
+        ax.bar(range(len(mine)), [r["seconds"] for r in mine], color="tab:blue")
+        if mine and mine[0]["floor_seconds"]:
+            ax.axhline(mine[0]["floor_seconds"], color="gray", linestyle=":",
+                       label="no all-reduce (floor)")
+            ax.legend(fontsize=8)
+        ax.set_xticks(range(len(mine)), labels, fontsize=7)
+        ax.set_ylabel("seconds per step")
+        ax.set_title(f"{model} ({mine[0]['parameters'] / 1e6:.1f}M parameters)" if mine else model)
+    fig.suptitle(title, fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_reports(result: dict, args) -> None:
+    rows = result["rows"]
+    title = (f"training steps, {result['processes']} processes, batch {result['batch']} per "
+             f"process, Adam, median of {result['repeats']} steps after {result['warmup']}")
+    print(f"# {title}")
+    for note in result["notes"]:
+        print(f"# {note}")
+    print(format_table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(format_markdown(rows, f"`{result['command']}`: {title}"))
+    if args.plot:
+        plot(rows, args.plot, result["command"])
+
+
+# --------------------------------------------------------------------------- orchestrator
+
+class _Terminated(Exception):
+    pass
+
+
+def _run_link(args, link: str, tmp: str) -> tuple[int, list[dict], str]:
+    from cgx_jax.launch import launch
+
+    warnings = []
+
+    def warn(message: str) -> None:
+        warnings.append(message)
+        print(f"cgx_jax.bench train: {message}", file=sys.stderr, flush=True)
+
+    out = os.path.join(tmp, f"rows_{link}.json")
+    with shaped_network(args.processes, link, subnet=args.subnet, prefix=args.netns_prefix,
+                        warn=warn) as network:
+        coordinator = f"{network.address(0)}:{PORT}" if network else None
+        wrap = network.wrap if network else list
+        print(f"# training across {args.processes} processes, "
+              f"{f'{link} tbf per link' if network else 'unshaped loopback'}", flush=True)
+        command = [sys.executable, "-m", "cgx_jax.bench.train", "--worker", "--out", out,
+                   "--models", *args.models, "--modes", *args.modes, "--batch",
+                   str(args.batch), "--mlp-hidden", str(args.mlp_hidden), "--repeats", str(args.repeats), "--warmup",
+                   str(args.warmup)] + (["--coordinator", coordinator] if coordinator else [])
+        code = launch(wrap(command), args.processes, 1, timeout=args.timeout)
+    rows = []
+    if code == 0 and os.path.exists(out):
+        with open(out) as f:
+            rows = json.load(f)
+    for r in rows:
+        r["link"] = link if network else "none"
+    return code, rows, (warnings[0] if warnings and not network else "")
+
+
+def run(args) -> int:
+    def on_term(signum, frame):
+        raise _Terminated(f"signal {signum}")
+
+    previous = {s: signal.signal(s, on_term) for s in (signal.SIGTERM, signal.SIGHUP)}
+    tmp = tempfile.mkdtemp(prefix="cgx_bench_train_")
+    code, rows, notes = 0, [], []
+    start = time.monotonic()
+    try:
+        for link in args.link:
+            code, link_rows, note = _run_link(args, link, tmp)
+            if code != 0:
+                break
+            rows += link_rows
+            notes += [note] if note else []
+    except (KeyboardInterrupt, _Terminated) as e:
+        print(f"cgx_jax.bench train: interrupted ({e or 'Ctrl-C'}); cleaned up",
+              file=sys.stderr)
+        code = 130
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        shutil.rmtree(tmp, ignore_errors=True)
+    if code != 0 or not rows:
+        print(f"cgx_jax.bench train: workers failed (exit code {code})", file=sys.stderr)
+        return code or 1
+    result = dict(processes=args.processes, links=args.link, notes=notes, batch=args.batch,
+                  repeats=args.repeats, warmup=args.warmup,
+                  wall_seconds=round(time.monotonic() - start, 1),
+                  command="python -m cgx_jax.bench train " + " ".join(args.argv),
+                  rows=add_ratios(rows))
+    write_reports(result, args)
+    return 0
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = argparse.ArgumentParser(prog="python -m cgx_jax.bench train", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--processes", type=int, default=4)
+    p.add_argument("--link", nargs="+", default=["1gbit"],
+                   help="tc rate of every process's link (1gbit, 10gbit, 100mbit) or none")
+    p.add_argument("--models", nargs="+", default=["mlp"], choices=MODELS)
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    p.add_argument("--batch", type=int, default=32, help="examples per process and step")
+    p.add_argument("--mlp-hidden", type=int, default=2048,
+                   help="hidden width of the mlp model (default 2048: 10M parameters)")
+    p.add_argument("--repeats", type=int, default=10, help="timed steps (default 10)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed first steps (default 3)")
+    p.add_argument("--timeout", type=float, default=1800)
+    p.add_argument("--subnet", default="10.214.0")
+    p.add_argument("--netns-prefix", default=NS_PREFIX)
+    p.add_argument("--json", default=None)
+    p.add_argument("--markdown", default=None)
+    p.add_argument("--plot", default=None)
+    p.add_argument("--from-json", default=None, metavar="PATH",
+                   help="measure nothing: print and write the reports of an earlier --json")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--coordinator", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    args.argv = argv
+    if args.worker:
+        _worker(args)
+        return 0
+    if args.from_json:
+        with open(args.from_json) as f:
+            write_reports(json.load(f), args)
+        return 0
+    if args.processes < 2:
+        p.error(f"--processes must be at least 2, got {args.processes}")
+    for name in ("batch", "repeats", "mlp_hidden"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.warmup < 0:
+        p.error(f"--warmup must be at least 0, got {args.warmup}")
+    problem = argument_problem(args.link, args.netns_prefix, args.subnet)
+    if problem:
+        p.error(problem)
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

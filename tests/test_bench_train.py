@@ -1,0 +1,82 @@
+"""``python -m cgx_jax.bench train`` (bench/train.py; docs/design.md section 9): argument
+checks, the report arithmetic, the models' parameter counts, and an unshaped end-to-end run
+of every mode across two real processes on a small MLP."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from cgx_jax.bench import train
+
+
+def run_cli(*args, timeout=400):
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)  # the launcher sets each process's device count
+    return subprocess.run([sys.executable, "-m", "cgx_jax.bench", "train", *args],
+                          capture_output=True, text=True, timeout=timeout, env=env)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--processes", "1"], "--processes must be at least 2, got 1"),
+    (["--batch", "0"], "--batch must be at least 1, got 0"),
+    (["--mlp-hidden", "0"], "--mlp-hidden must be at least 1, got 0"),
+    (["--warmup", "-1"], "--warmup must be at least 0, got -1"),
+    (["--modes", "fast"], "invalid choice: 'fast'"),
+    (["--link", "3gb"], "link rate must look like"),
+])
+def test_bad_arguments_exit_with_a_message(args, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(args)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_models_have_the_documented_sizes():
+    count = lambda params: sum(leaf.size for leaf in jax.tree.leaves(params))  # noqa: E731
+    assert count(train.mlp_init(jax.random.key(0))) == 10_020_874  # 784-2048x3-10
+    shapes = jax.eval_shape(train.vit_init, jax.random.key(0))
+    assert 18e6 < count(shapes) < 20e6
+    images = jax.ShapeDtypeStruct((2, 32, 32, 3), jax.numpy.float32)
+    assert jax.eval_shape(train.vit_apply, shapes, images).shape == (2, 10)
+
+
+def test_ratios_and_reports(tmp_path):
+    rows = [dict(model="mlp", mode=mode, seconds=seconds, loss=1.0, parameters=10**7,
+                 wire_bytes=wire, f32_bytes=4 * 10**7, link="1gbit")
+            for mode, seconds, wire in (("floor", 0.2, 0), ("exact", 0.8, 4 * 10**7),
+                                        ("cgx", 0.4, 5 * 10**6))]
+    rows = {r["mode"]: r for r in train.add_ratios(rows)}
+    assert rows["cgx"]["vs_exact"] == pytest.approx(2.0)
+    assert rows["cgx"]["wire_ratio"] == pytest.approx(8.0)
+    assert rows["cgx"]["floor_seconds"] == 0.2 and rows["floor"]["wire_ratio"] is None
+    table = train.format_table(list(rows.values()))
+    assert "2.00" in table and "8.00" in table
+    assert "| 1gbit | mlp (10.0M) | cgx | 0.400 | 0.200 | 8.00 | 2.00 | 1.0000 |" in (
+        train.format_markdown(list(rows.values()), "title"))
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "train.png"
+    train.plot(list(rows.values()), str(path), "title")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_unshaped_run_of_every_mode(tmp_path):
+    out = tmp_path / "train.json"
+    done = run_cli("--processes", "2", "--link", "none", "--mlp-hidden", "256", "--batch", "8",
+                   "--repeats", "2", "--warmup", "1", "--json", str(out))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    rows = {r["mode"]: r for r in result["rows"]}
+    assert sorted(rows) == sorted(train.MODES)
+    assert all(r["seconds"] > 0 and r["steps"] == 3 and r["link"] == "none"
+               for r in rows.values())
+    # Exact and compressed runs train the same model on the same batches: after 3 Adam
+    # steps their losses are close (2 bits, the coarsest, less so); 2 bits moves fewer bytes.
+    for mode, bound in (("cgx", 0.15), ("cgx 4b", 0.15), ("adaptive", 0.15), ("cgx 2b", 0.5)):
+        assert abs(rows[mode]["loss"] - rows["exact"]["loss"]) < bound, (mode, rows[mode])
+    assert rows["cgx 2b"]["wire_bytes"] < rows["cgx 4b"]["wire_bytes"] < rows["exact"][
+        "wire_bytes"]
+    assert rows["exact"]["vs_exact"] == 1.0 and rows["floor"]["wire_bytes"] == 0
