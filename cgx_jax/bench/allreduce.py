@@ -30,17 +30,14 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import resource
 import os
-import shutil
-import signal
+import resource
 import socket
 import sys
-import tempfile
 import textwrap
 import time
 
-from cgx_jax.bench.common import parse_size, size_label
+from cgx_jax.bench.common import parse_size, run_links, size_label
 from cgx_jax.netem import argument_problem, parse_rate, shaped_network
 
 NS_PREFIX = "cgxbench"
@@ -483,10 +480,6 @@ def _worker_arguments(args, out: str, coordinator: str | None, kind: str = "--wo
     return cmd
 
 
-class _Terminated(Exception):
-    pass
-
-
 def _run_link(args, link: str, use_torch: bool, tmp: str) -> tuple[int, list[dict], str]:
     """Builds the network for one link rate (or none), runs the JAX workers and the torch
     peers in it, and tears it down whatever happens; returns (exit code, rows, note)."""
@@ -539,33 +532,14 @@ def _run_link(args, link: str, use_torch: bool, tmp: str) -> tuple[int, list[dic
 
 
 def run(args) -> int:
-    def on_term(signum, frame):
-        raise _Terminated(f"signal {signum}")
-
-    previous = {s: signal.signal(s, on_term) for s in (signal.SIGTERM, signal.SIGHUP)}
     use_torch = args.torch == "yes"
     if args.torch == "auto":
         import importlib.util
         use_torch = (importlib.util.find_spec("torch") is not None
                      and args.devices_per_process == 1)
-    tmp = tempfile.mkdtemp(prefix="cgx_bench_allreduce_")
-    code, rows, notes = 0, [], []
     start = time.monotonic()
-    try:
-        for link in args.link:
-            code, link_rows, note = _run_link(args, link, use_torch, tmp)
-            if code != 0:
-                break
-            rows += link_rows
-            notes += [note] if note else []
-    except (KeyboardInterrupt, _Terminated) as e:
-        print(f"cgx_jax.bench allreduce: interrupted ({e or 'Ctrl-C'}); cleaned up",
-              file=sys.stderr)
-        code = 130
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-        shutil.rmtree(tmp, ignore_errors=True)
+    code, rows, notes = run_links("allreduce", args.link,
+                                  lambda link, tmp: _run_link(args, link, use_torch, tmp))
     if code != 0 or not rows:
         print(f"cgx_jax.bench allreduce: workers failed (exit code {code})", file=sys.stderr)
         return code or 1

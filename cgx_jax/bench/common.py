@@ -1,10 +1,14 @@
-"""What the benchmarks share: element counts written with suffixes (docs/design.md section
-9)."""
+"""What the benchmarks share: element counts written with suffixes, and running one link
+rate after another with a clean stop (docs/design.md section 9)."""
 
 from __future__ import annotations
 
 import argparse
 import re
+import shutil
+import signal
+import sys
+import tempfile
 
 _SUFFIXES = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
@@ -28,3 +32,35 @@ def size_label(size: int) -> str:
         if size % _SUFFIXES[suffix] == 0:
             return f"{size // _SUFFIXES[suffix]}{suffix}"
     return str(size)
+
+
+class Terminated(Exception):
+    """SIGTERM or SIGHUP, raised so that every ``with shaped_network(...)`` unwinds."""
+
+
+def run_links(name: str, links, run_link) -> tuple[int, list, list]:
+    """Calls ``run_link(link, tmp) -> (exit code, rows, note)`` for each link rate in turn
+    (stopping at the first failure) with a temporary directory; SIGTERM, SIGHUP and Ctrl-C
+    stop it cleanly with exit code 130. Returns ``(exit code, rows, notes)``."""
+    def on_term(signum, frame):
+        raise Terminated(f"signal {signum}")
+
+    previous = {s: signal.signal(s, on_term) for s in (signal.SIGTERM, signal.SIGHUP)}
+    tmp = tempfile.mkdtemp(prefix=f"cgx_bench_{name}_")
+    code, rows, notes = 0, [], []
+    try:
+        for link in links:
+            code, link_rows, note = run_link(link, tmp)
+            if code != 0:
+                break
+            rows += link_rows
+            notes += [note] if note else []
+    except (KeyboardInterrupt, Terminated) as e:
+        print(f"cgx_jax.bench {name}: interrupted ({e or 'Ctrl-C'}); cleaned up",
+              file=sys.stderr)
+        code = 130
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        shutil.rmtree(tmp, ignore_errors=True)
+    return code, rows, notes
