@@ -39,7 +39,7 @@ def _axis_size(axis_name, argument: str = "axis_name") -> int:
             f"{argument} {axis_name!r} is not bound here: call compressed_psum inside "
             f"jax.pmap(..., axis_name=...) or jax.shard_map over a mesh with that axis ({err}). "
             f"Under plain jax.jit with sharded arrays XLA reduces gradients itself: wrap the "
-            f"gradient and update in jax.shard_map (the README's 'Data-parallel recipes')"
+            f"gradient and update in jax.shard_map (the README's 'Use' section)"
         ) from None
 
 

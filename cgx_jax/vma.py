@@ -52,15 +52,16 @@ def check_local(tree, axis_name, paths, what: str = "the compressed all-reduce")
     for path, leaf in zip(paths, jax.tree_util.tree_leaves(tree)):
         missing = tuple(a for a in axes if a not in _varying(leaf))
         if missing:
+            leaf_name = f"leaf {path!r}" if path else "an array"
             raise ValueError(
-                f"{what} got {f'leaf {path!r}' if path else 'an array'} typed invariant over mesh axes {missing} inside "
+                f"{what} got {leaf_name} typed invariant over mesh axes {missing} inside "
                 f"shard_map (check_vma=True): every participant already holds the same value, "
                 f"so summing it would count it {lax.axis_size(missing)} times. "
                 f"Gradients arrive like this when jax.grad differentiates parameters passed in "
                 f"replicated (P()): JAX then reduces them exactly, and cgx would reduce them a "
                 f"second time. Take local gradients with cgx.local_value_and_grad(loss_fn, "
                 f"{axis_name!r}) (or jax.lax.pcast(params, {axis_name!r}, to='varying') before "
-                f"jax.grad) and reduce those; see the README's 'Data-parallel recipes'.")
+                f"jax.grad) and reduce those; see the README's 'Use' section.")
 
 
 def _cast_to_varying(x, axes):
