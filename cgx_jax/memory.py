@@ -48,9 +48,9 @@ def keep_freed_memory(threshold: int = DEFAULT_THRESHOLD) -> bool:
         mallopt = libc.mallopt
     except (OSError, AttributeError):
         return False
-    # mallopt returns 1 on success; the mmap threshold is capped by glibc (HEAP_MAX).
+    # mallopt returns 1 on success (0 for a value glibc does not accept).
     _applied = bool(mallopt(_M_TRIM_THRESHOLD, threshold)) and bool(
-        mallopt(_M_MMAP_THRESHOLD, min(threshold, 1 << 30)))
+        mallopt(_M_MMAP_THRESHOLD, threshold))
     return _applied
 
 

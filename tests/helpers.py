@@ -42,6 +42,18 @@ def run_sharded(fn, stacked, num_devices, *args):
     return jax.block_until_ready(out)
 
 
+def run_2d(fn, stacked, outer, inner, *args):
+    """fn(per_device_value, *args) under shard_map over an (outer, inner) mesh of axes
+    "outer" and "inner"; device (o, i) gets row o * inner + i; returns the per-device outputs
+    stacked the same way."""
+    spec = P(("outer", "inner"))
+    mapped = jax.shard_map(
+        lambda x, *a: jax.tree.map(lambda v: v[None], fn(jax.tree.map(lambda v: v[0], x), *a)),
+        mesh=cpu_mesh(outer * inner, ("outer", "inner"), (outer, inner)),
+        in_specs=(spec,) + (P(),) * len(args), out_specs=spec)
+    return jax.block_until_ready(jax.jit(mapped)(stacked, *args))
+
+
 # ---------------------------------------------------------------------------
 # Codec comparisons (kernels, jnp backend, public quantize) on the CPU device
 # ---------------------------------------------------------------------------

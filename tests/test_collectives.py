@@ -14,11 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
-from jax.sharding import PartitionSpec as P
 
 import cgx_jax as cgx
 from cgx_jax.api import reduce_tree
-from helpers import cpu_mesh, run_sharded
+from helpers import run_2d, run_sharded
 
 
 # ---------------------------------------------------------------------------
@@ -258,20 +257,6 @@ def test_auto_is_allgather_for_two_and_sra_beyond(num_devices, same_as):
 # ---------------------------------------------------------------------------
 # Hierarchical
 # ---------------------------------------------------------------------------
-
-def mesh_2d(outer, inner):
-    return cpu_mesh(outer * inner, ("outer", "inner"), (outer, inner))
-
-
-def run_2d(fn, stacked, outer, inner, *args):
-    """fn(per_device_value, *args) under shard_map over an (outer, inner) mesh; device
-    (o, i) gets row o * inner + i; returns the per-device outputs stacked the same way."""
-    spec = P(("outer", "inner"))
-    mapped = jax.shard_map(
-        lambda x, *a: jax.tree.map(lambda v: v[None], fn(jax.tree.map(lambda v: v[0], x), *a)),
-        mesh=mesh_2d(outer, inner), in_specs=(spec,) + (P(),) * len(args), out_specs=spec)
-    return jax.block_until_ready(jax.jit(mapped)(stacked, *args))
-
 
 def hierarchical_bound(inputs, outer, inner, codec, algorithm):
     """The outer algorithm's bound applied to the exact inner sums (padded as the library)."""

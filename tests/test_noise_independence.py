@@ -32,9 +32,7 @@ import pytest
 
 import cgx_jax as cgx
 import numpy_model as model
-from helpers import cpu_mesh
-from test_collectives import run_2d
-
+from helpers import cpu_mesh, run_2d, run_sharded
 from jax.sharding import PartitionSpec as P
 
 BITS, BUCKET = 2, 128
@@ -118,12 +116,9 @@ def assert_independent(library_error, simulated_error, blocks):
 
 def run_flat(x, algorithm, key):
     """compressed_psum over N devices that all hold ``x``; device 0's result."""
-    mesh = cpu_mesh(N)
-    f = jax.jit(jax.shard_map(
-        lambda v, k: cgx.compressed_psum(v[0], "batch", codec=CODEC, key=k,
-                                         algorithm=algorithm)[None],
-        mesh=mesh, in_specs=(P("batch"), P()), out_specs=P("batch")))
-    out = np.asarray(f(jnp.tile(jnp.asarray(x), (N, 1)), key))
+    out = np.asarray(run_sharded(
+        lambda v, k: cgx.compressed_psum(v, "batch", codec=CODEC, key=k, algorithm=algorithm),
+        jnp.tile(jnp.asarray(x), (N, 1)), N, key))
     np.testing.assert_array_equal(out, np.broadcast_to(out[0], out.shape))
     return out[0].astype(np.float64)
 
@@ -192,14 +187,10 @@ def test_fused_groups_draw_their_own_noise():
     policy = cgx.LayerPolicy(default=CODEC, min_size=0,
                              overrides={"b": cgx.Codec(bits=BITS, bucket_size=2 * BUCKET,
                                                        rounding="stochastic")})
-    mesh = cpu_mesh(N)
-    f = jax.jit(jax.shard_map(
-        lambda t, k: jax.tree.map(lambda v: v[None], cgx.compressed_psum(
-            jax.tree.map(lambda v: v[0], t), "batch", policy=policy, key=k)),
-        mesh=mesh, in_specs=(P("batch"), P()), out_specs=P("batch")))
     tree = {"a": jnp.tile(jnp.asarray(x)[None], (N, 1, 1))}
     tree["b"] = tree["a"]
-    out = f(tree, jax.random.key(9))
+    out = run_sharded(lambda t, k: cgx.compressed_psum(t, "batch", policy=policy, key=k),
+                      tree, N, jax.random.key(9))
     errors = [np.asarray(out[name][0], np.float64).ravel() - N * x.ravel() for name in "ab"]
     assert_uncorrelated(*errors)
 

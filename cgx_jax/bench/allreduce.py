@@ -37,7 +37,7 @@ import sys
 import textwrap
 import time
 
-from cgx_jax.bench.common import parse_size, run_links, size_label
+from cgx_jax.bench.common import add_report_arguments, parse_size, run_links, size_label
 from cgx_jax.netem import argument_problem, parse_rate, shaped_network
 
 NS_PREFIX = "cgxbench"
@@ -458,13 +458,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also measure PyTorch DDP (gloo) plain / fp16 hook / PowerSGD r4 in the "
                         "same network (auto: when torch is importable and there is one "
                         "device per process)")
-    p.add_argument("--json", default=None, help="also write the rows as JSON to this path")
-    p.add_argument("--markdown", default=None, help="also write a markdown table to this path")
-    p.add_argument("--plot", default=None,
-                   help="also write a PNG of speedup vs link rate, one panel per size "
-                        "(needs matplotlib)")
-    p.add_argument("--from-json", default=None, metavar="PATH",
-                   help="measure nothing: print and write the reports of an earlier --json")
+    add_report_arguments(p, "speedup vs link rate, one panel per size")
 
 
 def _worker_arguments(args, out: str, coordinator: str | None, kind: str = "--worker"

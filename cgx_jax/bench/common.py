@@ -34,6 +34,17 @@ def size_label(size: int) -> str:
     return str(size)
 
 
+def add_report_arguments(p: argparse.ArgumentParser, plot: str) -> None:
+    """``--json``, ``--markdown``, ``--plot`` (``plot`` says what it draws) and
+    ``--from-json``, the same in every benchmark that runs across processes."""
+    p.add_argument("--json", default=None, help="also write the rows as JSON to this path")
+    p.add_argument("--markdown", default=None, help="also write a markdown table to this path")
+    p.add_argument("--plot", default=None,
+                   help=f"also write a PNG of {plot} (needs matplotlib)")
+    p.add_argument("--from-json", default=None, metavar="PATH",
+                   help="measure nothing: print and write the reports of an earlier --json")
+
+
 class Terminated(Exception):
     """SIGTERM or SIGHUP, raised so that every ``with shaped_network(...)`` unwinds."""
 

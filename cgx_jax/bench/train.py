@@ -35,7 +35,7 @@ import os
 import sys
 import time
 
-from cgx_jax.bench.common import run_links
+from cgx_jax.bench.common import add_report_arguments, run_links
 from cgx_jax.netem import argument_problem, shaped_network
 
 NS_PREFIX = "cgxtrain"
@@ -198,44 +198,38 @@ def _worker(args) -> None:
                 jax.make_array_from_single_device_arrays((n * args.batch, *a[0].shape[1:]),
                                                          sharding, a) for a in (xs, ys)))
 
+        def policy_for(mode):
+            if mode == "cgx":
+                return cgx.LayerPolicy()
+            if mode != "adaptive":  # "cgx 4b", "cgx 2b"
+                return cgx.LayerPolicy(default=cgx.Codec(bits=int(mode[4])))
+            # Fitted on the summed gradient, the same on every process, so every process
+            # fits the same policy and compiles the same collectives.
+            grad = jax.jit(jax.shard_map(jax.grad(loss_fn), mesh=mesh,
+                                         in_specs=(P(), P(axis)), out_specs=P()))
+            summed = jax.tree.map(lambda g: np.asarray(g.addressable_shards[0].data),
+                                  grad(params, batches[0]))
+            return cgx.fit_policy(summed, budget_bits=4.0, base=cgx.LayerPolicy())
+
+        def per_participant(tree):  # one row per participant, for the floor's own copies
+            return jax.tree.map(lambda leaf: jax.device_put(
+                jnp.broadcast_to(leaf, (n, *leaf.shape)), NamedSharding(mesh, P(axis))), tree)
+
         f32_bytes = sum(4 * leaf.size for leaf in jax.tree.leaves(params))
         for mode in args.modes:
-            if mode == "floor":
-                tx, policy = optax.adam(lr), None
-            elif mode == "exact":
-                tx, policy = optax.chain(exact_pmean(), optax.adam(lr)), None
-            else:
-                if mode == "cgx":
-                    policy = cgx.LayerPolicy()
-                elif mode == "adaptive":
-                    policy = None  # fitted below from the first step's local gradients
-                else:
-                    policy = cgx.LayerPolicy(default=cgx.Codec(bits=int(mode[4])))
-                if policy is None:
-                    # The summed gradient (the same on every process, so every process
-                    # fits the same policy and compiles the same collectives).
-                    grad = jax.jit(jax.shard_map(jax.grad(loss_fn), mesh=mesh,
-                                                 in_specs=(P(), P(axis)), out_specs=P()))
-                    summed = jax.tree.map(lambda g: np.asarray(g.addressable_shards[0].data),
-                                          grad(params, batches[0]))
-                    policy = cgx.fit_policy(summed, budget_bits=4.0, base=cgx.LayerPolicy())
-                tx = optax.chain(cgx.compressed_allreduce(axis, policy=policy),
-                                 optax.adam(lr))
-            state = tx.init(params)
-            if mode == "floor":
-                state_specs = jax.tree.map(lambda _: P(axis), state)
-                state = jax.tree.map(
-                    lambda leaf: jax.device_put(jnp.broadcast_to(leaf, (n, *leaf.shape)),
-                                                NamedSharding(mesh, P(axis))), state)
-            else:
-                state = cgx.shard_state(state, mesh, axis)
-                state_specs = cgx.state_specs(state, axis)
-            param_specs = jax.tree.map(lambda _: P(axis) if mode == "floor" else P(), params)
+            policy = None if mode in ("floor", "exact") else policy_for(mode)
+            tx = optax.adam(lr) if mode == "floor" else optax.chain(
+                exact_pmean() if mode == "exact" else
+                cgx.compressed_allreduce(axis, policy=policy), optax.adam(lr))
             # Placed as the step returns them, so the second step does not compile again.
-            run_params = jax.device_put(params, NamedSharding(mesh, P())) if mode != "floor" \
-                else jax.tree.map(lambda leaf: jax.device_put(
-                    jnp.broadcast_to(leaf, (n, *leaf.shape)), NamedSharding(mesh, P(axis))),
-                    params)
+            if mode == "floor":
+                param_specs = state_specs = P(axis)
+                run_params, state = per_participant(params), per_participant(tx.init(params))
+            else:
+                param_specs = P()
+                run_params = jax.device_put(params, NamedSharding(mesh, P()))
+                state = cgx.shard_state(tx.init(params), mesh, axis)
+                state_specs = cgx.state_specs(state, axis)
 
             @jax.jit
             @functools.partial(jax.shard_map, mesh=mesh,
@@ -424,11 +418,7 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--subnet", default="10.214.0")
     p.add_argument("--netns-prefix", default=NS_PREFIX)
-    p.add_argument("--json", default=None)
-    p.add_argument("--markdown", default=None)
-    p.add_argument("--plot", default=None)
-    p.add_argument("--from-json", default=None, metavar="PATH",
-                   help="measure nothing: print and write the reports of an earlier --json")
+    add_report_arguments(p, "seconds per step per mode, one panel per model")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help=argparse.SUPPRESS)
     p.add_argument("--coordinator", default=None, help=argparse.SUPPRESS)
