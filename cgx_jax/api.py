@@ -2,9 +2,10 @@
 ``quantize``/``dequantize`` of single arrays (docs/design.md section 6).
 
 ``reduce_tree`` composes the pieces: the policy picks a codec per leaf
-(``cgx_jax.policy``), leaves sharing a codec are fused into one buffer (``cgx_jax.fusion``),
-each buffer goes through one compressed all-reduce (``cgx_jax.collectives``) with its own
-noise (``cgx_jax.seeds``), and the exact leaves go through one ``lax.psum``.
+(``cgx_jax.policy``), leaves sharing a codec are fused into one group of segments
+(``cgx_jax.fusion``), each group goes through one compressed all-reduce
+(``cgx_jax.collectives``) with its own noise (``cgx_jax.seeds``), and the exact leaves go
+through one ``lax.psum``.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from jax import lax
 from cgx_jax import fusion, memory
 from cgx_jax.backends import BACKENDS, get_backend
 from cgx_jax.codec import Codec, pad_to_multiple, padded_length, packet_bytes
-from cgx_jax.collectives import (ALGORITHMS, Plan, allreduce_buffer, axis_tuple, num_phases,
+from cgx_jax.collectives import (ALGORITHMS, Plan, allreduce_segments, axis_tuple, num_phases,
                                  padding_multiple, resolve_algorithm)
 from cgx_jax.policy import LayerPolicy, is_compressible, path_name
 from cgx_jax.seeds import phase_seeds, rounding_seed, seed_bits
@@ -183,20 +184,23 @@ def reduce_tree(x, axis_name, *, codec=None, policy=None, key=None, algorithm="a
     for group_number, (group_codec, members) in enumerate(groups.items()):
         plan = Plan(axis_name, group_codec, algorithm, backend, num_participants, local_error,
                     inner_axis_name)
-        phases = num_phases(algorithm, num_participants)
-        seeds = phase_seeds(key if group_codec.stochastic else None, group_number, participant,
-                            phases)
         multiple = inner_size * padding_multiple(algorithm, group_codec, num_participants)
-        buf = fusion.pack([leaves[i] for i in members], group_codec.bucket_size, multiple)
-        total, error = allreduce_buffer(buf, seeds, plan)
-        if mean:
-            total = total / jnp.float32(num_participants * inner_size)
-        shapes = [leaves[i].shape for i in members]
-        for i, value in zip(members, fusion.unpack(total, shapes, group_codec.bucket_size)):
-            out[i] = value.astype(leaves[i].dtype)
-        if local_error:
-            for i, lost in zip(members, fusion.unpack(error, shapes, group_codec.bucket_size)):
-                errors[i] = lost
+        segments = [[members[j] for j in segment] for segment in fusion.split_segments(
+            [leaves[i].size for i in members], multiple, plan.leaf_segments)]
+        seeds = phase_seeds(key if group_codec.stochastic else None, group_number, participant,
+                            len(segments), num_phases(algorithm, num_participants))
+        bufs = [fusion.pack([leaves[i] for i in segment], group_codec.bucket_size, multiple)
+                for segment in segments]
+        totals, seg_errors = allreduce_segments(bufs, seeds, plan)
+        for segment, total, error in zip(segments, totals, seg_errors):
+            if mean:
+                total = total / jnp.float32(num_participants * inner_size)
+            shapes = [leaves[i].shape for i in segment]
+            for i, value in zip(segment, fusion.unpack(total, shapes, group_codec.bucket_size)):
+                out[i] = value.astype(leaves[i].dtype)
+            if local_error:
+                for i, lost in zip(segment, fusion.unpack(error, shapes, group_codec.bucket_size)):
+                    errors[i] = lost
     result = jax.tree_util.tree_unflatten(treedef, out)
     if local_error:
         return result, jax.tree_util.tree_unflatten(treedef, errors)

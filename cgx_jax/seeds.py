@@ -2,9 +2,10 @@
 (docs/design.md sections 2 and 6).
 
 Every encode of a compressed all-reduce draws its own noise: the step's key is folded with
-the fused group's number, then the participant's index, then the phase (SRA's and
-all-gather's two quantizations, the ring's N encodes), so groups, participants and phases
-never share a noise stream while every run with the same key gives the same bytes.
+the fused group's number, then the participant's index, then the segment's number within
+the group, then the phase (SRA's and all-gather's two quantizations, the ring's N encodes),
+so groups, participants, segments and phases never share a noise stream while every run
+with the same key gives the same bytes.
 """
 
 from __future__ import annotations
@@ -46,10 +47,20 @@ def rounding_seed(codec: Codec, key):
     return jnp.zeros((2,), jnp.uint32)
 
 
-def phase_seeds(key, group_number: int, participant, phases: int):
-    """``uint32[phases, 2]``: one seed per quantization phase of one participant's reduction
-    of fused group ``group_number``; ``key`` None (nearest rounding) gives zeros."""
+def phase_seeds(key, group_number: int, participant, segments: int, phases: int):
+    """``uint32[segments, phases, 2]``: one seed per segment and quantization phase of one
+    participant's reduction of fused group ``group_number``; ``key`` None (nearest rounding)
+    gives zeros.
+
+    Example:
+        >>> import jax
+        >>> phase_seeds(jax.random.key(0), 0, 1, segments=3, phases=2).shape
+        (3, 2, 2)
+    """
     if key is None:
-        return jnp.zeros((phases, 2), jnp.uint32)
+        return jnp.zeros((segments, phases, 2), jnp.uint32)
     key = jax.random.fold_in(jax.random.fold_in(key, group_number), participant)
-    return jnp.stack([seed_bits(jax.random.fold_in(key, phase)) for phase in range(phases)])
+    return jnp.stack([
+        jnp.stack([seed_bits(jax.random.fold_in(jax.random.fold_in(key, segment), phase))
+                   for phase in range(phases)])
+        for segment in range(segments)])

@@ -1,6 +1,7 @@
 """Stochastic rounding's noise is independent wherever docs/design.md section 6 says it is:
 across participants, across the inner participants of a hierarchical reduction, across SRA's
-two phases, across the ring's hops, across fused groups and across training steps.
+two phases, across the ring's hops, across fused groups, across the segments of one group
+and across training steps.
 
 Replicas being identical and errors staying within their worst-case bounds cannot see a
 shared noise stream: N participants rounding with the same noise still give identical
@@ -32,6 +33,7 @@ import pytest
 
 import cgx_jax as cgx
 import numpy_model as model
+from cgx_jax.fusion import OWN_SEGMENT_MIN_VALUES
 from helpers import cpu_mesh, run_2d, run_sharded
 from jax.sharding import PartitionSpec as P
 
@@ -191,6 +193,19 @@ def test_fused_groups_draw_their_own_noise():
     tree["b"] = tree["a"]
     out = run_sharded(lambda t, k: cgx.compressed_psum(t, "batch", policy=policy, key=k),
                       tree, N, jax.random.key(9))
+    errors = [np.asarray(out[name][0], np.float64).ravel() - N * x.ravel() for name in "ab"]
+    assert_uncorrelated(*errors)
+
+
+def test_segments_of_one_group_draw_their_own_noise():
+    # Two identical leaves large enough to be segments of their own (fusion.py) in one
+    # group: with one noise stream their errors would be equal; independent, uncorrelated.
+    x = unit_range_block(OWN_SEGMENT_MIN_VALUES, seed=6).reshape(512, -1)
+    tree = {"a": jnp.tile(jnp.asarray(x)[None], (N, 1, 1))}
+    tree["b"] = tree["a"]
+    policy = cgx.LayerPolicy(default=CODEC, min_size=0)
+    out = run_sharded(lambda t, k: cgx.compressed_psum(t, "batch", policy=policy, key=k),
+                      tree, N, jax.random.key(10))
     errors = [np.asarray(out[name][0], np.float64).ravel() - N * x.ravel() for name in "ab"]
     assert_uncorrelated(*errors)
 

@@ -4,11 +4,12 @@ kernels never communicate, XLA moves every byte.
 
 One module per algorithm (``sra``, ``allgather``, ``ring``, ``hierarchical``), the CPU
 cross-process transport in ``transport``, the one use of JAX internals in ``jax_compat``.
-Each flat algorithm takes a buffer already padded for it (``padding_multiple``), this
-participant's index, ``seeds uint32[num_phases(algorithm, N), 2]`` (one pair per
-quantization phase) and a backend (``cgx_jax.backends``), and returns the f32 sum and, with
-``local_error=True``, what this participant's own compression lost (``buf`` minus what its
-peers decoded of it; error feedback adds it to the next step's gradient), else ``None``.
+Each flat algorithm takes buffers already padded for it (``padding_multiple``; SRA and
+all-gather a list of segments sharing their collectives, the ring one buffer), this
+participant's index, seeds (one ``uint32[2]`` pair per quantization phase, per segment) and
+a backend (``cgx_jax.backends``), and returns the f32 sums and, with ``local_error=True``,
+what this participant's own compression lost (the input minus what its peers decoded of
+it; error feedback adds it to the next step's gradient), else ``None``.
 """
 
 from __future__ import annotations
@@ -84,6 +85,13 @@ class Plan:
     inner_axis_name: Hashable = None
 
     @property
+    def leaf_segments(self) -> bool:
+        """Whether large leaves travel as segments of their own (``fusion.split_segments``):
+        SRA and all-gather take several segments; the ring and the hierarchical reduction
+        one buffer."""
+        return self.algorithm in ("sra", "allgather") and self.inner_axis_name is None
+
+    @property
     def all_axes(self):
         """Every axis the sum runs over."""
         if self.inner_axis_name is None:
@@ -91,38 +99,51 @@ class Plan:
         return axis_tuple(self.axis_name) + axis_tuple(self.inner_axis_name)
 
 
-def _reduce_flat(buf, seeds, plan: Plan, index):
-    """The plan's flat algorithm over ``plan.axis_name``."""
-    if plan.algorithm == "sra":
-        algorithm = scatter_reduce_allgather
-    elif plan.algorithm == "allgather":
-        algorithm = allgather_reduce
-    else:
-        algorithm = ring_reduce
-    return algorithm(buf, plan.axis_name, index, plan.num_participants, seeds, plan.codec,
-                     get_backend(plan.backend), local_error=plan.local_error)
+def _reduce_flat(bufs, seeds, plan: Plan, index):
+    """The plan's flat algorithm over ``plan.axis_name`` -> (sums, errors or None), one per
+    segment. The ring takes a single segment."""
+    backend = get_backend(plan.backend)
+    args = (plan.axis_name, index, plan.num_participants)
+    if plan.algorithm in ("sra", "allgather"):
+        algorithm = scatter_reduce_allgather if plan.algorithm == "sra" else allgather_reduce
+        return algorithm(bufs, *args, seeds, plan.codec, backend, local_error=plan.local_error)
+    (buf,), (seeds,) = bufs, seeds
+    total, error = ring_reduce(buf, *args, seeds, plan.codec, backend,
+                               local_error=plan.local_error)
+    return [total], (None if error is None else [error])
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
-def allreduce_buffer(buf, seeds, plan: Plan):
-    """The compressed sum of ``buf`` over ``plan.all_axes`` -> ``(f32 sum, local compression
-    error or an empty array)``; differentiable as an exact ``psum`` (straight-through)."""
+def allreduce_segments(bufs, seeds, plan: Plan):
+    """The compressed sums of the segments ``bufs`` (a list of flat f32 buffers, each padded
+    for the algorithm; ``seeds uint32[segments, phases, 2]``) over ``plan.all_axes`` ->
+    ``(f32 sums, local compression errors)``, lists like ``bufs`` (the errors empty arrays
+    without ``local_error``); differentiable as an exact ``psum`` (straight-through). More
+    than one segment needs ``plan.leaf_segments``."""
     index = lax.axis_index(plan.axis_name)
     if plan.inner_axis_name is None:
-        total, error = _reduce_flat(buf, seeds, plan, index)
+        totals, errors = _reduce_flat(bufs, seeds, plan, index)
     else:
-        total, error = hierarchical_reduce(
-            buf, plan.inner_axis_name, lambda piece: _reduce_flat(piece, seeds, plan, index))
-    return total, (jnp.zeros((0,), jnp.float32) if error is None else error)
+        (buf,) = bufs
+
+        def reduce_outer(piece):
+            (total,), errors = _reduce_flat([piece], seeds, plan, index)
+            return total, (None if errors is None else errors[0])
+
+        total, error = hierarchical_reduce(buf, plan.inner_axis_name, reduce_outer)
+        totals, errors = [total], (None if error is None else [error])
+    if errors is None:
+        errors = [jnp.zeros((0,), jnp.float32) for _ in bufs]
+    return totals, errors
 
 
-@allreduce_buffer.defjvp
-def _allreduce_buffer_jvp(plan, primals, tangents):
+@allreduce_segments.defjvp
+def _allreduce_segments_jvp(plan, primals, tangents):
     # Straight-through: the derivative of a (compressed) sum is the exact sum of tangents,
     # whose transpose is again a psum, so jax.grad works through compressed_psum.
-    buf, seeds = primals
-    total, error = allreduce_buffer(buf, seeds, plan)
+    bufs, seeds = primals
+    totals, errors = allreduce_segments(bufs, seeds, plan)
     # Under shard_map both are typed invariant over the reduced axes (the algorithms end in
     # an invariant gather), so jax.grad of a per-participant loss counts it once, as for psum.
-    tangent = lax.psum(tangents[0], plan.all_axes)
-    return (total, error), (tangent, jnp.zeros_like(error))
+    tangent = lax.psum(list(tangents[0]), plan.all_axes)
+    return (totals, errors), (tangent, [jnp.zeros_like(e) for e in errors])

@@ -2,19 +2,26 @@
 
 from __future__ import annotations
 
-from cgx_jax.collectives.transport import gather_packets
+import jax.numpy as jnp
+
+from cgx_jax.collectives.transport import gather_packets, split_columns
 
 
-def allgather_reduce(buf, axis_name, index, num_participants, seeds, codec, backend,
+def allgather_reduce(bufs, axis_name, index, num_participants, seeds, codec, backend,
                      local_error=False):
-    """All-gather: quantize the whole buffer once, gather every packet, decode and sum all
-    of them (the own one decoded too, so replicas stay identical). Traffic: N-1 packets per
-    participant; each value quantized once."""
-    packet = backend.quantize_rows(buf.reshape(1, -1), seeds[0], codec)[0]
-    gathered = gather_packets(packet, axis_name, num_participants)
-    _, total = backend.reduce_requantize(gathered, None, index, seeds[1], codec, buf.shape[0],
-                                         emit_packet=False, emit_sum=True)
-    error = None
+    """All-gather of the segments ``bufs`` (``seeds`` one ``[2, 2]`` pair per segment):
+    quantize each segment once, gather every participant's packets (one packet per segment,
+    one after the other), decode and sum all of them (the own one decoded too, so replicas
+    stay identical). Traffic: N-1 packets per participant; each value quantized once.
+
+    Returns the segments' f32 sums and, with ``local_error``, their errors (else None)."""
+    packets = [backend.quantize_rows(buf.reshape(1, -1), s[0], codec) for buf, s in zip(bufs, seeds)]
+    gathered = gather_packets(jnp.concatenate(packets, axis=1)[0], axis_name, num_participants)
+    totals = [backend.reduce_requantize(g, None, index, s[1], codec, buf.shape[0],
+                                        emit_packet=False, emit_sum=True)[1]
+              for g, buf, s in zip(split_columns(gathered, packets), bufs, seeds)]
+    errors = None
     if local_error:
-        error = buf - backend.dequantize_rows(packet[None], codec, buf.shape[0], "float32")[0]
-    return total, error
+        errors = [buf - backend.dequantize_rows(p, codec, buf.shape[0], "float32")[0]
+                  for buf, p in zip(bufs, packets)]
+    return totals, errors

@@ -4,25 +4,35 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from cgx_jax.collectives.transport import exchange_rows, gather_packets
+from cgx_jax.collectives.transport import exchange_rows, gather_packets, split_columns
 
 
-def scatter_reduce_allgather(buf, axis_name, index, num_participants, seeds, codec, backend,
+def scatter_reduce_allgather(bufs, axis_name, index, num_participants, seeds, codec, backend,
                              local_error=False):
-    """SRA: quantize the N-1 chunks of the peers (the own one stays raw, so it is not
-    encoded) -> exchange them (an all-to-all) -> reduce own chunk and re-encode -> all_gather
-    -> decode. Every participant decodes the same bytes, so all replicas end bitwise
-    identical. Traffic: 2(N-1)/N packets per participant; each value quantized twice."""
-    chunk = buf.shape[0] // num_participants
-    rows = buf.reshape(num_participants, chunk)
-    packets = backend.quantize_rows(rows, seeds[0], codec, skip_row=index)
-    error = None
-    if local_error:  # the own chunk is used raw, so it loses nothing
-        lost = rows - backend.dequantize_rows(packets, codec, chunk, "float32")
-        error = jnp.where(jnp.arange(num_participants)[:, None] == index, 0.0, lost).reshape(-1)
-    received = exchange_rows(packets, axis_name, index, num_participants)
+    """SRA of the segments ``bufs`` (each padded to N whole-bucket chunks; ``seeds`` one
+    ``[2, 2]`` pair per segment): quantize the N-1 chunks of the peers (the own one stays
+    raw, so it is not encoded) -> exchange them (an all-to-all) -> reduce own chunk and
+    re-encode -> all_gather -> decode. Row ``j`` on the wire holds chunk ``j`` of every
+    segment, one packet after the other, so all segments share the two collectives. Every
+    participant decodes the same bytes, so all replicas end bitwise identical. Traffic:
+    2(N-1)/N packets per participant; each value quantized twice.
+
+    Returns the segments' f32 sums and, with ``local_error``, their errors (else None)."""
+    n = num_participants
+    rows = [buf.reshape(n, -1) for buf in bufs]
+    packets = [backend.quantize_rows(r, s[0], codec, skip_row=index) for r, s in zip(rows, seeds)]
+    received = exchange_rows(jnp.concatenate(packets, axis=1), axis_name, index, n)
     # The kernel reads the own chunk from the rows: slicing it out here would make XLA
-    # materialize the fused buffer a second time for the slice.
-    reduced, _ = backend.reduce_requantize(received, rows, index, seeds[1], codec, chunk)
-    gathered = gather_packets(reduced, axis_name, num_participants)
-    return backend.dequantize_rows(gathered, codec, chunk, "float32").reshape(-1), error
+    # materialize the segment a second time for the slice.
+    reduced = [backend.reduce_requantize(peers, r, index, s[1], codec, r.shape[1])[0]
+               for peers, r, s in zip(split_columns(received, packets), rows, seeds)]
+    gathered = gather_packets(jnp.concatenate(reduced), axis_name, n)
+    totals = [backend.dequantize_rows(g, codec, r.shape[1], "float32").reshape(-1)
+              for g, r in zip(split_columns(gathered, packets), rows)]
+    errors = None
+    if local_error:  # the own chunk is used raw, so it loses nothing
+        errors = []
+        for r, p in zip(rows, packets):
+            lost = r - backend.dequantize_rows(p, codec, r.shape[1], "float32")
+            errors.append(jnp.where(jnp.arange(n)[:, None] == index, 0.0, lost).reshape(-1))
+    return totals, errors

@@ -92,6 +92,23 @@ def gather_packets(packet, axis_name, num_participants, *, in_pieces=None):
                                   default=lambda p: gather_invariant(p, axis_name))
 
 
+def split_columns(joined, parts):
+    """The inverse of ``jnp.concatenate(parts, axis=1)`` for ``joined [rows, sum of widths]``:
+    one column block per part, of that part's width (the segments' packets in a wire row).
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> [b.shape for b in split_columns(jnp.zeros((4, 5)), [jnp.zeros((4, 2)), jnp.zeros((4, 3))])]
+        [(4, 2), (4, 3)]
+    """
+    if len(parts) == 1:
+        return [joined]
+    bounds = [0]
+    for part in parts:
+        bounds.append(bounds[-1] + part.shape[1])
+    return [joined[:, lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])]
+
+
 def exact_reduce_scatter(buf, axis_name):
     """Tiled ``lax.psum_scatter`` over ``axis_name``, except on CPU, where it is a ``psum``
     followed by taking this participant's piece: XLA:CPU's multi-process (Gloo) reduce-scatter
