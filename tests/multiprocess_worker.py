@@ -24,14 +24,16 @@ ALGORITHMS = ("sra", "allgather", "ring")
 
 
 def inputs(num_devices: int):
-    """The same per-device inputs in every process: floats of mixed scales, a bf16 leaf
-    and an integer leaf (reduced exactly)."""
+    """The same per-device inputs in every process: floats of mixed scales, a bf16 leaf,
+    an integer leaf (reduced exactly) and a matrix large enough to be a segment of its own
+    (cgx_jax/fusion.py)."""
     rng = np.random.default_rng(1234 + num_devices)
     x = rng.normal(size=(num_devices, LENGTH)).astype(np.float32)
     x[:, 200:500] *= 30.0
     half = rng.normal(size=(num_devices, 700)).astype(np.float32)
     count = rng.integers(-1000, 1000, size=(num_devices, 5)).astype(np.int32)
-    return x, half, count
+    big = rng.normal(size=(num_devices, 512, 512)).astype(np.float32)
+    return x, half, count, big
 
 
 def flat_mesh(devices):
@@ -56,11 +58,11 @@ def compute(mesh, hierarchical: bool):
     axes = tuple(mesh.axis_names)
     spec = P(axes)
     num_devices = mesh.devices.size
-    x, half, count = inputs(num_devices)
+    x, half, count, big = inputs(num_devices)
     half = half.astype(jnp.bfloat16)
 
-    def reduce_all(x, half, count):
-        x, half, count = x[0], half[0], count[0]
+    def reduce_all(x, half, count, big):
+        x, half, count, big = x[0], half[0], count[0], big[0]
         key = jax.random.key(7)
         out = {}
         for algorithm in ALGORITHMS:
@@ -76,13 +78,17 @@ def compute(mesh, hierarchical: bool):
                 {"half": half, "count": count}, axes[0], key=jax.random.key(8),
                 codec=cgx.Codec(bits=3, bucket_size=64, rounding="nearest"))
             out["tree_half"], out["tree_count"] = tree["half"], tree["count"]
+            # Two segments of their own (big, 2 * big) and a packed one (x), stochastic.
+            segments = cgx.compressed_psum({"big": big, "big2": 2 * big, "x": x}, axes[0],
+                                           codec=codec, key=key, algorithm="sra")
+            for name, value in segments.items():
+                out[f"segments_{name}"] = value
         return jax.tree.map(lambda v: v[None], out)
 
-    fn = jax.jit(jax.shard_map(reduce_all, mesh=mesh, in_specs=(spec, spec, spec),
-                               out_specs=spec))
+    fn = jax.jit(jax.shard_map(reduce_all, mesh=mesh, in_specs=(spec,) * 4, out_specs=spec))
     sharding = NamedSharding(mesh, spec)
     args = [jax.make_array_from_callback(a.shape, sharding, lambda index, a=a: a[index])
-            for a in (x, half, count)]
+            for a in (x, half, count, big)]
     return jax.block_until_ready(fn(*args))  # one program in flight at a time
 
 

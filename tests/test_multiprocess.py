@@ -26,7 +26,8 @@ def test_processes_match_single_process_bitwise(tmp_path, num_processes, devices
     got = gather_results(tmp_path, num_processes)
     want = single_process(num_processes * devices_per_process,
                           num_processes if hierarchical else None)
-    expected = {"sra", "allgather", "ring", "tree_half", "tree_count"}
+    expected = {"sra", "allgather", "ring", "tree_half", "tree_count", "segments_big",
+                "segments_big2", "segments_x"}
     if hierarchical:
         expected |= {"hier_sra", "hier_allgather", "hier_ring"}
     assert set(want) == expected
@@ -35,6 +36,9 @@ def test_processes_match_single_process_bitwise(tmp_path, num_processes, devices
     x = worker.inputs(num_processes * devices_per_process)[0]
     assert np.max(np.abs(got["sra"][0] - x.sum(0))) > 0
     assert not np.array_equal(got["sra"], got["ring"])
+    # 2 * big is big scaled exactly: the same noise would give exactly twice the sum; the
+    # segments draw their own.
+    assert not np.array_equal(got["segments_big2"], 2 * got["segments_big"])
 
 
 def test_hierarchical_large_pieces_across_processes(tmp_path):
