@@ -3,9 +3,9 @@ layers cost one set of collectives per codec (docs/design.md section 6).
 
 The group is split into segments (``split_segments``): with SRA and all-gather each large
 leaf that needs no padding is a segment of its own, which the kernels read and whose result
-they write in place (a reshape, no copy); the other leaves are packed into one more segment. Packing flattens
-each leaf and pads it to whole buckets (so no bucket mixes two layers' scales), concatenates
-the pieces and pads the segment to what the algorithm needs.
+they write in place (a reshape, no copy); the other leaves are packed into one more
+segment. Packing flattens each leaf and pads it to whole buckets (so no bucket mixes two
+layers' scales), concatenates the pieces and pads the segment to what the algorithm needs.
 """
 
 from __future__ import annotations
@@ -72,9 +72,9 @@ def split_segments(sizes, multiple: int, leaf_segments: bool) -> list[list[int]]
 
 def pack(leaves, bucket_size: int, multiple: int):
     """One f32 buffer (a reshape when ``leaves`` is one f32 leaf needing no padding): each
-    leaf flattened and padded to whole buckets of ``bucket_size``,
-    concatenated, the whole padded to a multiple of ``multiple`` (padding repeats the last
-    value, see ``codec.pad_to_multiple``)."""
+    leaf flattened and padded to whole buckets of ``bucket_size``, concatenated, the whole
+    padded to a multiple of ``multiple`` (padding repeats the last value, see
+    ``codec.pad_to_multiple``)."""
     pieces = [pad_to_multiple(leaf.reshape(-1).astype(jnp.float32), bucket_size)
               for leaf in leaves]
     return pad_to_multiple(jnp.concatenate(pieces), multiple)

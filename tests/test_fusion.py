@@ -1,7 +1,7 @@
 """Fusion into segments (cgx_jax/fusion.py, docs/design.md section 6): with SRA and
 all-gather every leaf of at least ``OWN_SEGMENT_MIN_VALUES`` values that needs no padding is
-a segment of its own and the other leaves are packed into one more; all segments share the algorithm's
-collectives. The reference is a numpy simulation of each algorithm per segment, built from
+a segment of its own and the other leaves are packed into one more; all segments share the
+algorithm's collectives. The reference is a numpy simulation of each algorithm per segment, built from
 the numpy model of the codec (tests/numpy_model.py) with nearest rounding, compared bit for
 bit: it sees which chunk (and so which participant's raw values) every bucket lands in.
 """

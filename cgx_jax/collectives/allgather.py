@@ -15,7 +15,8 @@ def allgather_reduce(bufs, axis_name, index, num_participants, seeds, codec, bac
     stay identical). Traffic: N-1 packets per participant; each value quantized once.
 
     Returns the segments' f32 sums and, with ``local_error``, their errors (else None)."""
-    packets = [backend.quantize_rows(buf.reshape(1, -1), s[0], codec) for buf, s in zip(bufs, seeds)]
+    packets = [backend.quantize_rows(buf.reshape(1, -1), s[0], codec)
+               for buf, s in zip(bufs, seeds)]
     gathered = gather_packets(jnp.concatenate(packets, axis=1)[0], axis_name, num_participants)
     totals = [backend.reduce_requantize(g, None, index, s[1], codec, buf.shape[0],
                                         emit_packet=False, emit_sum=True)[1]

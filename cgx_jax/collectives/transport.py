@@ -98,7 +98,8 @@ def split_columns(joined, parts):
 
     Example:
         >>> import jax.numpy as jnp
-        >>> [b.shape for b in split_columns(jnp.zeros((4, 5)), [jnp.zeros((4, 2)), jnp.zeros((4, 3))])]
+        >>> parts = [jnp.zeros((4, 2)), jnp.zeros((4, 3))]
+        >>> [b.shape for b in split_columns(jnp.concatenate(parts, axis=1), parts)]
         [(4, 2), (4, 3)]
     """
     if len(parts) == 1:
