@@ -291,6 +291,35 @@ def test_reduce_requantize_matches_cpu(rounding, own_dtype):
     assert_no_differences(found)
 
 
+@pytest.mark.parametrize("offset_kind", ["aligned", "odd"])
+def test_packet_windows_match_cpu(offset_kind):
+    """dequantize and reduce_requantize reading packets at a byte offset of wider rows (the
+    segments of one wire row): an offset of a multiple of 8 keeps the aligned meta loads, an
+    odd one takes the unaligned path."""
+    rng = np.random.default_rng(21)
+    num_peers, bits, bucket_size, n = 4, 3, 64, 64 * 10
+    codec = Codec(bits=bits, bucket_size=bucket_size, rounding="stochastic")
+    peers = _peers(num_peers, bits, bucket_size, n, "stochastic")
+    before = 16 if offset_kind == "aligned" else 5
+    rows = np.concatenate([rng.integers(0, 256, (num_peers, before), dtype=np.uint8), peers,
+                           rng.integers(0, 256, (num_peers, 3), dtype=np.uint8)], axis=1)
+    own = mixed_buckets(rng, 1, n, bucket_size, F32)[0]
+    seed = rng.integers(0, 2**32, 2, dtype=np.uint32)
+
+    def program(rows, own, seed):
+        decoded = ffi.dequantize_rows(rows, codec, n, F32, offset=before)
+        packet, total = ffi.reduce_requantize(rows, own, np.int32(1), seed, codec, n,
+                                              emit_sum=True, offset=before)
+        return decoded, packet, total
+
+    gpu, cpu = run_on_both(program, rows, own, seed)
+    plain = run_on_both(lambda p: ffi.dequantize_rows(p, codec, n, F32), peers)[1]
+    found = [difference(g, c, f"window {offset_kind} output {i}")
+             for i, (g, c) in enumerate(zip(gpu, cpu))]
+    found.append(difference(cpu[0], plain, "window against plain packets"))
+    assert_no_differences(found)
+
+
 # ---------------------------------------------------------------------------
 # compressed_psum on one GPU (axis size 1)
 # ---------------------------------------------------------------------------

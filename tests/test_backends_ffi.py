@@ -9,6 +9,8 @@ Everything runs on the CPU device, also on a machine with a GPU. The jnp backend
 with these kernels in test_backends_pure_jax.py, the CUDA kernels in test_backends_cuda.py.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -195,6 +197,30 @@ def test_reduce_requantize_reads_row_own_index_of_all_rows(own_dtype):
                                    backend=ffi, codec=codec, n=n, emit_sum=True)
         assert_bytes_equal(packet, want_packet, f"own row {own_index}")
         assert_same_floats(total, want_sum, f"own row {own_index}")
+
+
+@pytest.mark.parametrize("backend", [ffi, pure_jax], ids=["ffi", "jax"])
+def test_packet_windows_read_in_place_match_model(backend):
+    # Rows carrying two segments' packets one after the other (SRA's wire rows): decoding
+    # and reducing the second one at its byte offset gives the bytes of the packets alone.
+    codec = codec_of(3, 64, "stochastic")
+    rng = np.random.default_rng(6)
+    num_peers, n_first, n = 4, 192, 640
+    first = model.quantize_rows(realistic(rng, num_peers, n_first, 64), [1, 2], 3, 64, True)
+    second = model.quantize_rows(realistic(rng, num_peers, n, 64), [3, 4], 3, 64, True)
+    rows = np.concatenate([first, second, np.full((num_peers, 5), 0xAB, np.uint8)], axis=1)
+    offset = first.shape[1]
+    decoded = jax.jit(backend.dequantize_rows, static_argnums=(1, 2, 3, 4))(
+        on_cpu(rows), codec, n, np.dtype(np.float32), offset)
+    assert_same_floats(decoded, model.dequantize_rows(second, 3, 64, n), "dequantize")
+    own = realistic(rng, 1, n, 64)[0]
+    seed = np.array([9, 10], np.uint32)
+    packet, total = jax.jit(functools.partial(backend.reduce_requantize, codec=codec, n=n,
+                                              emit_sum=True, offset=offset))(
+        on_cpu(rows), on_cpu(own), np.int32(2), seed)
+    want_packet, want_sum = model.reduce_requantize(second, own, 2, seed, 3, 64, True, n)
+    assert_bytes_equal(packet, want_packet, "reduce packet")
+    assert_same_floats(total, want_sum, "reduce sum")
 
 
 @pytest.mark.parametrize("own", [False, True])
@@ -455,16 +481,16 @@ def _quantize_call(x=X16, seed=SEED, out=(1, P16), skip_row=np.int32(-1), **attr
 
 
 def _dequantize_call(packets=np.zeros((1, P16), np.uint8), out=(1, 16), dtype=jnp.float32,
-                     **attrs):
-    return _call("cgx_dequantize", _sds(out, dtype), packets, **attrs)
+                     offset=0, **attrs):
+    return _call("cgx_dequantize", _sds(out, dtype), packets, offset=np.int64(offset), **attrs)
 
 
 def _reduce_call(peers=PEERS, own=OWN, own_index=0, seed=SEED, n=16, packet=P16, total=16,
-                 **attrs):
+                 offset=0, **attrs):
     attrs.setdefault("stochastic", False)
     outs = (_sds((packet,), jnp.uint8), _sds((total,), jnp.float32))
     return _call("cgx_reduce_requantize", outs, peers, own, np.array(own_index, np.int32), seed,
-                 n=np.int64(n), **attrs)
+                 n=np.int64(n), offset=np.int64(offset), **attrs)
 
 
 FFI_ERROR_CASES = {
@@ -485,7 +511,14 @@ FFI_ERROR_CASES = {
     "quantize rank 3": (lambda: _quantize_call(x=np.ones((1, 1, 16), np.float32)), "rank"),
     "quantize int32 x": (lambda: _quantize_call(x=np.ones((1, 16), np.int32)), "x must be"),
     "dequantize packets length": (lambda: _dequantize_call(np.zeros((1, P16 - 1), np.uint8)),
-                                  "packets must hold"),
+                                  f"packets rows of {P16 - 1} bytes cannot hold a packet of "
+                                  f"{P16} bytes at offset 0"),
+    "dequantize window past the row": (
+        lambda: _dequantize_call(np.zeros((1, P16 + 7), np.uint8), offset=8),
+        f"packets rows of {P16 + 7} bytes cannot hold a packet of {P16} bytes at offset 8"),
+    "dequantize negative offset": (lambda: _dequantize_call(offset=-1), "at offset -1"),
+    "dequantize packets rows": (lambda: _dequantize_call(np.zeros((2, P16), np.uint8)),
+                                "packets must have 1 rows, got 2"),
     "dequantize n not multiple": (lambda: _dequantize_call(out=(1, 12)),
                                   "output length 12 .*bucket_size"),
     "dequantize bits=9": (lambda: _dequantize_call(bits=9), "bits must be"),
@@ -493,8 +526,11 @@ FFI_ERROR_CASES = {
     "reduce bits=9": (lambda: _reduce_call(bits=9), "bits must be"),
     "reduce bucket_size=12": (lambda: _reduce_call(bucket_size=12), "bucket_size must be"),
     "reduce n not multiple": (lambda: _reduce_call(n=12), "n length 12 .*bucket_size"),
-    "reduce peers row": (lambda: _reduce_call(peers=np.zeros((3, P16 + 8), np.uint8)),
-                         "peers row must hold"),
+    "reduce peers row": (lambda: _reduce_call(peers=np.zeros((3, P16 - 8), np.uint8)),
+                         f"peers rows of {P16 - 8} bytes cannot hold a packet of {P16} bytes"),
+    "reduce window past the row": (
+        lambda: _reduce_call(peers=np.zeros((3, P16 + 8), np.uint8), offset=9),
+        f"peers rows of {P16 + 8} bytes cannot hold a packet of {P16} bytes at offset 9"),
     "reduce seed of 3": (lambda: _reduce_call(seed=np.zeros(3, np.uint32)), "seed must hold 2"),
     "reduce own length": (lambda: _reduce_call(own=np.ones(8, np.float32)), "own must hold"),
     "reduce own of 2 rows": (lambda: _reduce_call(own=np.ones(32, np.float32)),

@@ -70,21 +70,25 @@ def test_quantize_matches_model_or_fails(codec, rows, buckets, length_delta, pac
 
 @SETTINGS
 @given(codec=codecs, rows=st.integers(1, 3), buckets=st.integers(1, 4),
-       packet_delta=st.sampled_from([0, 0, 1, -1, 8]), data=st.data())
+       packet_delta=st.sampled_from([0, 0, 1, -1, 8]), offset=st.sampled_from([0, 0, 1, 8, -1]),
+       data=st.data())
 def test_dequantize_of_arbitrary_bytes_matches_model_or_fails(codec, rows, buckets,
-                                                              packet_delta, data):
+                                                              packet_delta, offset, data):
+    """Row r's packet is read at byte ``offset`` of rows ``packet_delta`` bytes longer than
+    one packet."""
     bits, bucket_size, _ = codec
     n = buckets * bucket_size
     pbytes = model.packet_bytes(n, bits, bucket_size) + packet_delta
     packets = np.frombuffer(data.draw(st.binary(min_size=rows * pbytes, max_size=rows * pbytes)),
                             np.uint8).reshape(rows, pbytes)
     run = lambda: call("cgx_dequantize", sds((rows, n), jnp.float32), packets, bits=bits,
-                       bucket_size=bucket_size)
-    if packet_delta:
+                       bucket_size=bucket_size, offset=offset)
+    if not 0 <= offset <= packet_delta:  # the rows cannot hold a packet at that offset
         assert raises(run)
         return
     got = np.asarray(run())
-    want = model.dequantize_rows(packets, bits, bucket_size, n)
+    want = model.dequantize_rows(packets[:, offset:offset + pbytes - packet_delta], bits,
+                                 bucket_size, n)
     np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
     np.testing.assert_array_equal(got[~np.isnan(got)], want[~np.isnan(want)])
 
@@ -93,20 +97,25 @@ def test_dequantize_of_arbitrary_bytes_matches_model_or_fails(codec, rows, bucke
 @given(codec=codecs, peers=st.integers(1, 4), buckets=st.integers(1, 3),
        own_index=st.integers(-2, 5), with_own=st.booleans(),
        packet_delta=st.sampled_from([0, 0, 1]), sum_delta=st.sampled_from([0, 0, -8]),
-       data=st.data())
+       before=st.sampled_from([0, 0, 3, 8]), after=st.sampled_from([0, 5]), data=st.data())
 def test_reduce_requantize_matches_model_or_fails(codec, peers, buckets, own_index, with_own,
-                                                  packet_delta, sum_delta, data):
+                                                  packet_delta, sum_delta, before, after, data):
+    """The peers' packets sit at byte ``before`` of rows with ``after`` more bytes (junk)."""
     bits, bucket_size, stochastic = codec
     n = buckets * bucket_size
     pbytes = model.packet_bytes(n, bits, bucket_size)
     chunks = np.asarray(data.draw(st.lists(st.floats(-1e3, 1e3, width=32), min_size=peers * n,
                                            max_size=peers * n)), np.float32).reshape(peers, n)
     packets = model.quantize_rows(chunks, [5, 6], bits, bucket_size, stochastic)
+    junk = np.frombuffer(data.draw(st.binary(min_size=peers * 13, max_size=peers * 13)),
+                         np.uint8).reshape(peers, 13)
+    rows = np.concatenate([junk[:, :before], packets, junk[:, 8:8 + after]], axis=1)
     own = chunks[0] * 2 if with_own else np.zeros((0,), np.float32)
     seed = np.array([7, 8], np.uint32)
     outs = (sds((pbytes + packet_delta,), jnp.uint8), sds((n + sum_delta,), jnp.float32))
-    run = lambda: call("cgx_reduce_requantize", outs, packets, own, np.int32(own_index), seed,
-                       bits=bits, bucket_size=bucket_size, stochastic=stochastic, n=n)
+    run = lambda: call("cgx_reduce_requantize", outs, rows, own, np.int32(own_index), seed,
+                       bits=bits, bucket_size=bucket_size, stochastic=stochastic, n=n,
+                       offset=before)
     # An empty output means "not wanted" (n = 8, sum_delta = -8 asks for no sum), not a wrong size.
     wrong_sum = sum_delta != 0 and n + sum_delta != 0
     if packet_delta or wrong_sum or (with_own and not 0 <= own_index < peers):
@@ -129,7 +138,8 @@ def test_reduce_requantize_with_an_empty_sum_output_returns_the_packet_alone():
     seed = np.array([7, 8], np.uint32)
     outs = (sds((model.packet_bytes(8, 4, 8),), jnp.uint8), sds((0,), jnp.float32))
     packet, total = call("cgx_reduce_requantize", outs, packets, np.zeros((0,), np.float32),
-                         np.int32(0), seed, bits=4, bucket_size=8, stochastic=True, n=8)
+                         np.int32(0), seed, bits=4, bucket_size=8, stochastic=True, n=8,
+                         offset=0)
     want, _ = model.reduce_requantize(packets, None, 0, seed, 4, 8, True, 8)
     np.testing.assert_array_equal(np.asarray(packet), want)
     assert np.asarray(total).shape == (0,)

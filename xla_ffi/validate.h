@@ -93,31 +93,56 @@ inline xla::ffi::Error check_quantize_args(int64_t bits, int64_t bucket_size,
   return check_count(packets_count, *rows * pbytes, "packets");
 }
 
-// dequantize: packets [rows, P], output [rows, n] (n a multiple of bucket_size).
-inline xla::ffi::Error check_dequantize_args(int64_t bits, int64_t bucket_size,
+// A window of `pbytes` bytes at byte `offset` of each of `rows` rows of `dims` ([rows, W],
+// or [W] for one row): the packets of one segment inside rows that carry several
+// (collectives/sra.py). Sets *row_bytes to W.
+inline xla::ffi::Error check_packet_window(xla::ffi::Span<const int64_t> dims, const char* name,
+                                           int64_t rows, int64_t pbytes, int64_t offset,
+                                           int64_t* row_bytes) {
+  int64_t dim_rows = 0;
+  if (auto e = rows_and_length(dims, name, &dim_rows, row_bytes); e.failure()) return e;
+  if (dim_rows != rows)
+    return xla::ffi::Error::InvalidArgument(std::string(name) + " must have " +
+                                            std::to_string(rows) + " rows, got " +
+                                            std::to_string(dim_rows));
+  if (offset < 0 || offset > *row_bytes - pbytes)
+    return xla::ffi::Error::InvalidArgument(
+        std::string(name) + " rows of " + std::to_string(*row_bytes) +
+        " bytes cannot hold a packet of " + std::to_string(pbytes) + " bytes at offset " +
+        std::to_string(offset));
+  return xla::ffi::Error::Success();
+}
+
+// dequantize: the packets [rows, P] at byte `offset` of packets [rows, W], output [rows, n]
+// (n a multiple of bucket_size).
+inline xla::ffi::Error check_dequantize_args(int64_t bits, int64_t bucket_size, int64_t offset,
                                              xla::ffi::Span<const int64_t> out_dims,
-                                             int64_t packets_count, int64_t* rows, int64_t* n) {
+                                             xla::ffi::Span<const int64_t> packets_dims,
+                                             int64_t* rows, int64_t* n, int64_t* row_bytes) {
   if (auto e = check_codec(bits, bucket_size); e.failure()) return e;
   if (auto e = rows_and_length(out_dims, "output", rows, n); e.failure()) return e;
   if (auto e = check_multiple(*n, bucket_size, "output"); e.failure()) return e;
   const int64_t pbytes = packet_bytes(*n, static_cast<int>(bits), bucket_size);
-  return check_count(packets_count, *rows * pbytes, "packets");
+  return check_packet_window(packets_dims, "packets", *rows, pbytes, offset, row_bytes);
 }
 
-// reduce_requantize: peers [N, P(n)], seed [2], own_index [1], the optional own ([n], or
-// all N rows [N, n] of which row own_index is read, or empty), packet [P(n)] and sum [n]
-// (each full or empty).
+// reduce_requantize: the peers' packets [N, P(n)] at byte `offset` of peers [N, W], seed
+// [2], own_index [1], the optional own ([n], or all N rows [N, n] of which row own_index is
+// read, or empty), packet [P(n)] and sum [n] (each full or empty).
 inline xla::ffi::Error check_reduce_requantize_args(
-    int64_t bits, int64_t bucket_size, int64_t n, xla::ffi::Span<const int64_t> peers_dims,
-    int64_t seed_count, int64_t own_index_count, int64_t own_count, int64_t packet_count,
-    int64_t sum_count, int64_t* num_peers) {
+    int64_t bits, int64_t bucket_size, int64_t n, int64_t offset,
+    xla::ffi::Span<const int64_t> peers_dims, int64_t seed_count, int64_t own_index_count,
+    int64_t own_count, int64_t packet_count, int64_t sum_count, int64_t* num_peers,
+    int64_t* row_bytes) {
   if (auto e = check_codec(bits, bucket_size); e.failure()) return e;
   if (auto e = check_multiple(n, bucket_size, "n"); e.failure()) return e;
   const int64_t pbytes = packet_bytes(n, static_cast<int>(bits), bucket_size);
-  int64_t peer_bytes = 0;
-  if (auto e = rows_and_length(peers_dims, "peers", num_peers, &peer_bytes); e.failure())
+  int64_t ignored = 0;
+  if (auto e = rows_and_length(peers_dims, "peers", num_peers, &ignored); e.failure())
     return e;
-  if (auto e = check_count(peer_bytes, pbytes, "peers row"); e.failure()) return e;
+  if (auto e = check_packet_window(peers_dims, "peers", *num_peers, pbytes, offset, row_bytes);
+      e.failure())
+    return e;
   if (auto e = check_count(seed_count, 2, "seed"); e.failure()) return e;
   if (auto e = check_count(own_index_count, 1, "own_index"); e.failure()) return e;
   if (own_count != 0 && own_count != n && own_count != *num_peers * n)
@@ -152,17 +177,18 @@ template <typename Context>
 auto dequantize_binding() {
   return xla::ffi::Ffi::Bind()
       .Ctx<Context>()
-      .template Arg<xla::ffi::Buffer<xla::ffi::U8>>()         // packets [rows, P]
+      .template Arg<xla::ffi::Buffer<xla::ffi::U8>>()         // packets [rows, W >= offset + P]
       .template Ret<xla::ffi::AnyBuffer>()                    // x' [rows, n]
       .template Attr<int64_t>("bits")
-      .template Attr<int64_t>("bucket_size");
+      .template Attr<int64_t>("bucket_size")
+      .template Attr<int64_t>("offset");
 }
 
 template <typename Context>
 auto reduce_requantize_binding() {
   return xla::ffi::Ffi::Bind()
       .Ctx<Context>()
-      .template Arg<xla::ffi::Buffer<xla::ffi::U8>>()         // peers [N, P]
+      .template Arg<xla::ffi::Buffer<xla::ffi::U8>>()         // peers [N, W >= offset + P]
       .template Arg<xla::ffi::AnyBuffer>()                    // own [n], [N, n] or [0]
       .template Arg<xla::ffi::Buffer<xla::ffi::S32>>()        // own_index []
       .template Arg<xla::ffi::Buffer<xla::ffi::U32>>()        // seed [2]
@@ -171,7 +197,8 @@ auto reduce_requantize_binding() {
       .template Attr<int64_t>("bits")
       .template Attr<int64_t>("bucket_size")
       .template Attr<bool>("stochastic")
-      .template Attr<int64_t>("n");
+      .template Attr<int64_t>("n")
+      .template Attr<int64_t>("offset");
 }
 
 }  // namespace cgx

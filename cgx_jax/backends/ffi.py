@@ -88,18 +88,21 @@ def quantize_rows(x: jax.Array, seed: jax.Array, codec: Codec, skip_row=None) ->
     return call(x, seed, skip_row, stochastic=codec.stochastic, **_codec_attrs(codec))
 
 
-def dequantize_rows(packets: jax.Array, codec: Codec, n: int, dtype) -> jax.Array:
-    """Decodes packets ``uint8 [rows, P]`` of ``n`` values each -> ``[rows, n]`` of ``dtype``."""
+def dequantize_rows(packets: jax.Array, codec: Codec, n: int, dtype,
+                    offset: int = 0) -> jax.Array:
+    """Decodes packets of ``n`` values each -> ``[rows, n]`` of ``dtype``. Row ``r``'s packet
+    is ``packets[r, offset:offset + P]`` of ``packets uint8 [rows, W]`` (a wire row carrying
+    several segments' packets is read in place, not sliced into a copy)."""
     _register()
     out = jax.ShapeDtypeStruct((packets.shape[0], n), dtype)
     call = jax.ffi.ffi_call("cgx_dequantize", out, vmap_method="sequential")
-    return call(packets, **_codec_attrs(codec))
+    return call(packets, offset=np.int64(offset), **_codec_attrs(codec))
 
 
 def reduce_requantize(peers, own, own_index, seed, codec: Codec, n: int, *,
-                      emit_packet: bool = True, emit_sum: bool = False):
-    """The peer-to-peer reduction: decodes the ``N`` packets ``peers [N, P]`` of one chunk of
-    ``n`` values, sums them in f32 in peer order 0..N-1 (peer ``own_index`` replaced by the raw
+                      emit_packet: bool = True, emit_sum: bool = False, offset: int = 0):
+    """The peer-to-peer reduction: decodes the ``N`` packets ``peers[:, offset:offset + P]``
+    (of ``peers uint8 [N, W]``) of one chunk of ``n`` values, sums them in f32 in peer order 0..N-1 (peer ``own_index`` replaced by the raw
     ``own`` chunk unless ``own`` is None) and re-encodes the sum as one packet. ``own`` is the
     ``[n]`` chunk or all ``[N, n]`` rows, of which the kernel reads row ``own_index`` (so a
     caller holding the rows passes them without slicing out a copy).
@@ -116,5 +119,6 @@ def reduce_requantize(peers, own, own_index, seed, codec: Codec, n: int, *,
     )
     call = jax.ffi.ffi_call("cgx_reduce_requantize", outs, vmap_method="sequential")
     packet, total = call(peers, own, jnp.asarray(own_index, jnp.int32), seed,
-                         stochastic=codec.stochastic, n=np.int64(n), **_codec_attrs(codec))
+                         stochastic=codec.stochastic, n=np.int64(n), offset=np.int64(offset),
+                         **_codec_attrs(codec))
     return (packet if emit_packet else None), (total if emit_sum else None)

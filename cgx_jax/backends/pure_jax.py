@@ -82,8 +82,9 @@ def quantize_rows(x, seed, codec: Codec, skip_row=None):
     return jnp.where(jnp.arange(rows)[:, None] == skip_row, jnp.uint8(0), packets)
 
 
-def dequantize_rows(packets, codec: Codec, n: int, dtype):
+def dequantize_rows(packets, codec: Codec, n: int, dtype, offset: int = 0):
     """Same contract as ``cgx_jax.backends.ffi.dequantize_rows``."""
+    packets = packets[:, offset:offset + packet_bytes(n, codec)]
     rows = packets.shape[0]
     nb = n // codec.bucket_size
     meta = jax.lax.bitcast_convert_type(
@@ -102,11 +103,14 @@ def dequantize_rows(packets, codec: Codec, n: int, dtype):
 
 
 def reduce_requantize(peers, own, own_index, seed, codec: Codec, n: int, *,
-                      emit_packet: bool = True, emit_sum: bool = False):
+                      emit_packet: bool = True, emit_sum: bool = False, offset: int = 0):
     """Same contract as ``cgx_jax.backends.ffi.reduce_requantize``."""
     num_peers = peers.shape[0]
-    if peers.shape[1] != packet_bytes(n, codec):
-        raise ValueError(f"peers rows must hold {packet_bytes(n, codec)} bytes, got {peers.shape[1]}")
+    pbytes = packet_bytes(n, codec)
+    if not 0 <= offset <= peers.shape[1] - pbytes:
+        raise ValueError(f"peers rows of {peers.shape[1]} bytes cannot hold a packet of "
+                         f"{pbytes} bytes at offset {offset}")
+    peers = peers[:, offset:offset + pbytes]
     decoded = dequantize_rows(peers, codec, n, jnp.float32)
     if own is not None and own.ndim == 2:  # all rows given: row own_index is the own chunk
         own = jax.lax.dynamic_index_in_dim(own, own_index, axis=0, keepdims=False)

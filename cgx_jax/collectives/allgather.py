@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from cgx_jax.collectives.transport import gather_packets, split_columns
+from cgx_jax.collectives.transport import column_offsets, gather_packets
 
 
 def allgather_reduce(bufs, axis_name, index, num_participants, seeds, codec, backend,
@@ -18,9 +18,9 @@ def allgather_reduce(bufs, axis_name, index, num_participants, seeds, codec, bac
     packets = [backend.quantize_rows(buf.reshape(1, -1), s[0], codec)
                for buf, s in zip(bufs, seeds)]
     gathered = gather_packets(jnp.concatenate(packets, axis=1)[0], axis_name, num_participants)
-    totals = [backend.reduce_requantize(g, None, index, s[1], codec, buf.shape[0],
-                                        emit_packet=False, emit_sum=True)[1]
-              for g, buf, s in zip(split_columns(gathered, packets), bufs, seeds)]
+    totals = [backend.reduce_requantize(gathered, None, index, s[1], codec, buf.shape[0],
+                                        emit_packet=False, emit_sum=True, offset=offset)[1]
+              for buf, s, offset in zip(bufs, seeds, column_offsets(packets))]
     errors = None
     if local_error:
         errors = [buf - backend.dequantize_rows(p, codec, buf.shape[0], "float32")[0]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from cgx_jax.collectives.transport import exchange_rows, gather_packets, split_columns
+from cgx_jax.collectives.transport import column_offsets, exchange_rows, gather_packets
 
 
 def scatter_reduce_allgather(bufs, axis_name, index, num_participants, seeds, codec, backend,
@@ -21,14 +21,17 @@ def scatter_reduce_allgather(bufs, axis_name, index, num_participants, seeds, co
     n = num_participants
     rows = [buf.reshape(n, -1) for buf in bufs]
     packets = [backend.quantize_rows(r, s[0], codec, skip_row=index) for r, s in zip(rows, seeds)]
+    offsets = column_offsets(packets)
     received = exchange_rows(jnp.concatenate(packets, axis=1), axis_name, index, n)
-    # The kernel reads the own chunk from the rows: slicing it out here would make XLA
-    # materialize the segment a second time for the slice.
-    reduced = [backend.reduce_requantize(peers, r, index, s[1], codec, r.shape[1])[0]
-               for peers, r, s in zip(split_columns(received, packets), rows, seeds)]
+    # The kernels read the own chunk from the rows and each segment's packets at their
+    # offset in the wire rows: slicing either out here would make XLA copy it.
+    reduced = [backend.reduce_requantize(received, r, index, s[1], codec, r.shape[1],
+                                         offset=offset)[0]
+               for r, s, offset in zip(rows, seeds, offsets)]
     gathered = gather_packets(jnp.concatenate(reduced), axis_name, n)
-    totals = [backend.dequantize_rows(g, codec, r.shape[1], "float32").reshape(-1)
-              for g, r in zip(split_columns(gathered, packets), rows)]
+    totals = [backend.dequantize_rows(gathered, codec, r.shape[1], "float32",
+                                      offset=offset).reshape(-1)
+              for r, offset in zip(rows, offsets)]
     errors = None
     if local_error:  # the own chunk is used raw, so it loses nothing
         errors = []

@@ -92,22 +92,19 @@ def gather_packets(packet, axis_name, num_participants, *, in_pieces=None):
                                   default=lambda p: gather_invariant(p, axis_name))
 
 
-def split_columns(joined, parts):
-    """The inverse of ``jnp.concatenate(parts, axis=1)`` for ``joined [rows, sum of widths]``:
-    one column block per part, of that part's width (the segments' packets in a wire row).
+def column_offsets(parts) -> list[int]:
+    """Where each part starts in ``jnp.concatenate(parts, axis=1)``: the byte offset of each
+    segment's packet in a wire row, which the kernels read in place.
 
     Example:
         >>> import jax.numpy as jnp
-        >>> parts = [jnp.zeros((4, 2)), jnp.zeros((4, 3))]
-        >>> [b.shape for b in split_columns(jnp.concatenate(parts, axis=1), parts)]
-        [(4, 2), (4, 3)]
+        >>> column_offsets([jnp.zeros((4, 2)), jnp.zeros((4, 3)), jnp.zeros((4, 1))])
+        [0, 2, 5]
     """
-    if len(parts) == 1:
-        return [joined]
-    bounds = [0]
-    for part in parts:
-        bounds.append(bounds[-1] + part.shape[1])
-    return [joined[:, lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])]
+    offsets = [0]
+    for part in parts[:-1]:
+        offsets.append(offsets[-1] + part.shape[1])
+    return offsets
 
 
 def exact_reduce_scatter(buf, axis_name):

@@ -239,12 +239,11 @@ template <typename Tag>
 void dequantize_range(const DequantizeJob& job, int64_t begin, int64_t end) {
   auto* out = static_cast<typename Tag::storage*>(job.out);
   const int64_t nb = job.n / job.bucket_size;
-  const int64_t pbytes = packet_bytes(job.n, job.bits, job.bucket_size);
   const int64_t cbytes = code_bytes_per_bucket(job.bits, job.bucket_size);
   std::unique_ptr<uint8_t[]> levels(new uint8_t[job.bucket_size]);
   for (int64_t i = begin; i < end; ++i) {
     const int64_t row = i / nb, bucket = i % nb;
-    const uint8_t* packet = job.packets + row * pbytes;
+    const uint8_t* packet = job.packets + row * job.row_bytes;
     typename Tag::storage* dst = out + row * job.n + bucket * job.bucket_size;
     dequantize_bucket(packet, bucket, codes_of(packet, nb, bucket, cbytes), job.bits,
                       job.bucket_size, levels.get(),
@@ -257,7 +256,6 @@ void reduce_range(const ReduceJob& job, int64_t begin, int64_t end) {
   const CodecParams& p = job.codec;
   const auto* own = static_cast<const typename Tag::storage*>(job.own);
   const int64_t nb = job.n / p.bucket_size;
-  const int64_t pbytes = packet_bytes(job.n, p.bits, p.bucket_size);
   const int64_t cbytes = code_bytes_per_bucket(p.bits, p.bucket_size);
   std::unique_ptr<float[]> scratch(job.sum_out ? nullptr : new float[p.bucket_size]);
   std::unique_ptr<uint8_t[]> levels(new uint8_t[p.bucket_size]);
@@ -270,7 +268,7 @@ void reduce_range(const ReduceJob& job, int64_t begin, int64_t end) {
         for (int64_t j = 0; j < p.bucket_size; ++j)
           acc[j] = add_rn(acc[j], load_as_float(own, first + j, Tag{}));
       } else {
-        const uint8_t* packet = job.peers + peer * pbytes;
+        const uint8_t* packet = job.peers + peer * job.row_bytes;
         dequantize_bucket(packet, bucket, codes_of(packet, nb, bucket, cbytes), p.bits,
                           p.bucket_size, levels.get(), [&](int64_t j, float v) { acc[j] = add_rn(acc[j], v); });
       }

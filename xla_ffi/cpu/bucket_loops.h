@@ -28,22 +28,26 @@ struct QuantizeJob {
   uint8_t* packets;
 };
 
-// packets [rows, P] -> out [rows, n]; work items as for QuantizeJob.
+// packets [rows, P] (row r's packet at packets + r * row_bytes) -> out [rows, n]; work items
+// as for QuantizeJob.
 struct DequantizeJob {
   ElementType type;
   const uint8_t* packets;
+  int64_t row_bytes;
   int64_t n;
   int bits;
   int64_t bucket_size;
   void* out;
 };
 
-// N peers' packets [N, P] of one chunk of n values (+ the raw own chunk, replacing peer
+// N peers' packets [N, P] (peer p's at peers + p * row_bytes) of one chunk of n values (+ the
+// raw own chunk, replacing peer
 // own_index when own is not null) -> f32 sum in peer order, re-encoded into packet_out
 // and/or written to sum_out (either may be null); work item i is bucket i of the chunk.
 struct ReduceJob {
   ElementType own_type;
   const uint8_t* peers;
+  int64_t row_bytes;
   int64_t num_peers;
   int64_t n;
   const void* own;

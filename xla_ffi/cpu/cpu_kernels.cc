@@ -185,16 +185,17 @@ ffi::Error Quantize(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U32
   return ffi::Error::Success();
 }
 
-// dequantize: packets [rows, P] -> x' [rows, n]
+// dequantize: the packets [rows, P] at byte `offset` of each row of packets -> x' [rows, n]
 ffi::Error Dequantize(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> packets,
-                      ffi::Result<ffi::AnyBuffer> x, int64_t bits, int64_t bucket_size) {
-  int64_t rows = 0, n = 0;
-  if (auto e = check_dequantize_args(bits, bucket_size, x->dimensions(), packets.element_count(),
-                                     &rows, &n);
+                      ffi::Result<ffi::AnyBuffer> x, int64_t bits, int64_t bucket_size,
+                      int64_t offset) {
+  int64_t rows = 0, n = 0, row_bytes = 0;
+  if (auto e = check_dequantize_args(bits, bucket_size, offset, x->dimensions(),
+                                     packets.dimensions(), &rows, &n, &row_bytes);
       e.failure())
     return e;
-  DequantizeJob job{ElementType::kF32, packets.typed_data(), n, static_cast<int>(bits),
-                    bucket_size, x->untyped_data()};
+  DequantizeJob job{ElementType::kF32, packets.typed_data() + offset, row_bytes, n,
+                    static_cast<int>(bits), bucket_size, x->untyped_data()};
   if (!element_type_of(x->element_type(), &job.type)) return unsupported_dtype("output");
   if (rows * n == 0) return ffi::Error::Success();
   parallel_for(pool, rows * (n / bucket_size), bucket_size,
@@ -202,20 +203,21 @@ ffi::Error Dequantize(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> packets,
   return ffi::Error::Success();
 }
 
-// reduce_requantize: N peers' packets of one chunk (+ this participant's raw chunk) ->
-// f32 sum in peer order 0..N-1, re-encoded once.
+// reduce_requantize: N peers' packets of one chunk (at byte `offset` of each row of peers,
+// + this participant's raw chunk) -> f32 sum in peer order 0..N-1, re-encoded once.
 ffi::Error ReduceRequantize(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> peers, ffi::AnyBuffer own,
                             ffi::Buffer<ffi::S32> own_index, ffi::Buffer<ffi::U32> seed,
                             ffi::ResultBuffer<ffi::U8> packet, ffi::ResultBuffer<ffi::F32> sum,
-                            int64_t bits, int64_t bucket_size, bool stochastic, int64_t n) {
-  int64_t num_peers = 0;
+                            int64_t bits, int64_t bucket_size, bool stochastic, int64_t n,
+                            int64_t offset) {
+  int64_t num_peers = 0, row_bytes = 0;
   if (auto e = check_reduce_requantize_args(
-          bits, bucket_size, n, peers.dimensions(), seed.element_count(),
+          bits, bucket_size, n, offset, peers.dimensions(), seed.element_count(),
           own_index.element_count(), own.element_count(), packet->element_count(),
-          sum->element_count(), &num_peers);
+          sum->element_count(), &num_peers, &row_bytes);
       e.failure())
     return e;
-  ReduceJob job{ElementType::kF32, peers.typed_data(), num_peers, n,
+  ReduceJob job{ElementType::kF32, peers.typed_data() + offset, row_bytes, num_peers, n,
                 own.element_count() ? own.untyped_data() : nullptr, own_index.typed_data()[0],
                 CodecParams{static_cast<int>(bits), bucket_size, stochastic,
                             seed.typed_data()[0], seed.typed_data()[1]},

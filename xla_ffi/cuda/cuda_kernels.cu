@@ -345,17 +345,16 @@ __global__ void __launch_bounds__(kThreads)
 
 template <typename Tag, int TEAM>
 __global__ void __launch_bounds__(kThreads)
-    dequantize_kernel(const uint8_t* __restrict__ in, int64_t rows, int64_t n, int bits,
-                      int64_t bucket_size, typename Tag::storage* __restrict__ out,
+    dequantize_kernel(const uint8_t* __restrict__ in, int64_t row_bytes, int64_t rows, int64_t n,
+                      int bits, int64_t bucket_size, typename Tag::storage* __restrict__ out,
                       bool meta_aligned, bool out_vectorized) {
   const Team<TEAM> team;
   const int64_t nb = n / bucket_size;
-  const int64_t pbytes = packet_bytes(n, bits, bucket_size);
   const int64_t cbytes = code_bytes_per_bucket(bits, bucket_size);
   const int64_t groups = bucket_size / 8;
   for (int64_t i = team.first_bucket(); i < rows * nb; i += team.bucket_stride()) {
     const int64_t row = i / nb, bucket = i % nb;
-    const uint8_t* packet = in + row * pbytes;
+    const uint8_t* packet = in + row * row_bytes;
     const uint8_t* codes = packet + nb * kMetaBytesPerBucket + bucket * cbytes;
     float mn, unit;
     read_meta(packet, bucket, meta_aligned, &mn, &unit);
@@ -377,7 +376,8 @@ __global__ void __launch_bounds__(kThreads)
 // ---------------------------------------------------------------------------
 
 struct ReduceArgs {
-  const uint8_t* peers;  // [num_peers, pbytes]
+  const uint8_t* peers;  // peer p's packet at peers + p * row_bytes
+  int64_t row_bytes;
   int64_t num_peers;
   int64_t n;
   const int32_t* own_index;  // device scalar
@@ -415,7 +415,6 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t own_peer = own ? static_cast<int64_t>(*a.own_index) : -1;
   if (own_peer >= 0 && own_peer < a.num_peers) own += own_peer * a.own_row_stride;
   const int64_t nb = a.n / a.bucket_size;
-  const int64_t pbytes = packet_bytes(a.n, a.bits, a.bucket_size);
   const int64_t cbytes = code_bytes_per_bucket(a.bits, a.bucket_size);
   const bool staged = a.bucket_size <= a.tile;
 
@@ -429,7 +428,7 @@ __global__ void __launch_bounds__(kThreads)
         if (peer == own_peer) {
           load8<Tag>(own, e, a.own_vectorized, v);
         } else {
-          const uint8_t* packet = a.peers + peer * pbytes;
+          const uint8_t* packet = a.peers + peer * a.row_bytes;
           float mn, unit;
           read_meta(packet, bucket, a.meta_aligned, &mn, &unit);
           uint32_t levels[8];
@@ -596,10 +595,11 @@ ffi::Error Quantize(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::U32>
 }
 
 ffi::Error Dequantize(cudaStream_t stream, ffi::Buffer<ffi::U8> packets,
-                      ffi::Result<ffi::AnyBuffer> x, int64_t bits, int64_t bucket_size) {
-  int64_t rows = 0, n = 0;
-  if (auto e = check_dequantize_args(bits, bucket_size, x->dimensions(), packets.element_count(),
-                                     &rows, &n);
+                      ffi::Result<ffi::AnyBuffer> x, int64_t bits, int64_t bucket_size,
+                      int64_t offset) {
+  int64_t rows = 0, n = 0, row_bytes = 0;
+  if (auto e = check_dequantize_args(bits, bucket_size, offset, x->dimensions(),
+                                     packets.dimensions(), &rows, &n, &row_bytes);
       e.failure())
     return e;
   if (rows * n == 0) return ffi::Error::Success();
@@ -607,15 +607,14 @@ ffi::Error Dequantize(cudaStream_t stream, ffi::Buffer<ffi::U8> packets,
   const int team = team_for(bucket_size / 8, 1024);
   int blocks = 0;
   if (auto e = grid_for(rows * (n / bucket_size), team, &blocks); e.failure()) return e;
-  const uint8_t* in = packets.typed_data();
-  const int64_t pbytes = packet_bytes(n, static_cast<int>(bits), bucket_size);
-  const bool meta_aligned = aligned_to(in, 8) && (rows == 1 || pbytes % 8 == 0);
+  const uint8_t* in = packets.typed_data() + offset;
+  const bool meta_aligned = aligned_to(in, 8) && (rows == 1 || row_bytes % 8 == 0);
   void* data = x->untyped_data();
   const bool supported = with_float_type(x->element_type(), [&](auto tag) {
     using Tag = decltype(tag);
     with_team(team, [&](auto team_size) {
       dequantize_kernel<Tag, decltype(team_size)::value><<<blocks, kThreads, 0, stream>>>(
-          in, rows, n, static_cast<int>(bits), bucket_size,
+          in, row_bytes, rows, n, static_cast<int>(bits), bucket_size,
           static_cast<typename Tag::storage*>(data), meta_aligned, aligned_to(data, 16));
     });
   });
@@ -626,13 +625,13 @@ ffi::Error Dequantize(cudaStream_t stream, ffi::Buffer<ffi::U8> packets,
 ffi::Error ReduceRequantize(cudaStream_t stream, ffi::Buffer<ffi::U8> peers, ffi::AnyBuffer own,
                             ffi::Buffer<ffi::S32> own_index, ffi::Buffer<ffi::U32> seed,
                             ffi::ResultBuffer<ffi::U8> packet, ffi::ResultBuffer<ffi::F32> sum,
-                            int64_t bits, int64_t bucket_size, bool stochastic, int64_t n) {
-  int64_t num_peers = 0;
-  const int64_t pbytes = packet_bytes(n, static_cast<int>(bits), bucket_size);
+                            int64_t bits, int64_t bucket_size, bool stochastic, int64_t n,
+                            int64_t offset) {
+  int64_t num_peers = 0, row_bytes = 0;
   if (auto e = check_reduce_requantize_args(
-          bits, bucket_size, n, peers.dimensions(), seed.element_count(),
+          bits, bucket_size, n, offset, peers.dimensions(), seed.element_count(),
           own_index.element_count(), own.element_count(), packet->element_count(),
-          sum->element_count(), &num_peers);
+          sum->element_count(), &num_peers, &row_bytes);
       e.failure())
     return e;
   // own_index lives in device memory and is not range-checked here, unlike on the CPU:
@@ -653,7 +652,9 @@ ffi::Error ReduceRequantize(cudaStream_t stream, ffi::Buffer<ffi::U8> peers, ffi
 
   const void* own_data = own.element_count() ? own.untyped_data() : nullptr;
   float* sum_out = sum->element_count() ? sum->typed_data() : nullptr;
-  const ReduceArgs args{peers.typed_data(),
+  const uint8_t* peer_packets = peers.typed_data() + offset;
+  const ReduceArgs args{peer_packets,
+                        row_bytes,
                         num_peers,
                         n,
                         own_index.typed_data(),
@@ -665,7 +666,7 @@ ffi::Error ReduceRequantize(cudaStream_t stream, ffi::Buffer<ffi::U8> peers, ffi
                         tile,
                         packet->element_count() ? packet->typed_data() : nullptr,
                         sum_out,
-                        aligned_to(peers.typed_data(), 8) && (num_peers <= 1 || pbytes % 8 == 0),
+                        aligned_to(peer_packets, 8) && (num_peers <= 1 || row_bytes % 8 == 0),
                         aligned_to(own_data, 16),
                         aligned_to(sum_out, 16)};
   const bool supported = with_float_type(own.element_type(), [&](auto tag) {
