@@ -41,9 +41,9 @@ struct DequantizeJob {
 };
 
 // N peers' packets [N, P] (peer p's at peers + p * row_bytes) of one chunk of n values (+ the
-// raw own chunk, replacing peer
-// own_index when own is not null) -> f32 sum in peer order, re-encoded into packet_out
-// and/or written to sum_out (either may be null); work item i is bucket i of the chunk.
+// raw own chunk, replacing peer own_index when own is not null) -> f32 sum in peer order,
+// re-encoded into packet_out and/or written to sum_out (either may be null); work item i is
+// bucket i of the chunk.
 struct ReduceJob {
   ElementType own_type;
   const uint8_t* peers;
