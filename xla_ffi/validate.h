@@ -93,18 +93,13 @@ inline xla::ffi::Error check_quantize_args(int64_t bits, int64_t bucket_size,
   return check_count(packets_count, *rows * pbytes, "packets");
 }
 
-// A window of `pbytes` bytes at byte `offset` of each of `rows` rows of `dims` ([rows, W],
-// or [W] for one row): the packets of one segment inside rows that carry several
-// (collectives/sra.py). Sets *row_bytes to W.
+// A window of `pbytes` bytes at byte `offset` of each row of `dims` ([rows, W], or [W] for
+// one row): the packets of one segment inside rows that carry several (collectives/sra.py).
+// Sets *rows and *row_bytes (W).
 inline xla::ffi::Error check_packet_window(xla::ffi::Span<const int64_t> dims, const char* name,
-                                           int64_t rows, int64_t pbytes, int64_t offset,
+                                           int64_t pbytes, int64_t offset, int64_t* rows,
                                            int64_t* row_bytes) {
-  int64_t dim_rows = 0;
-  if (auto e = rows_and_length(dims, name, &dim_rows, row_bytes); e.failure()) return e;
-  if (dim_rows != rows)
-    return xla::ffi::Error::InvalidArgument(std::string(name) + " must have " +
-                                            std::to_string(rows) + " rows, got " +
-                                            std::to_string(dim_rows));
+  if (auto e = rows_and_length(dims, name, rows, row_bytes); e.failure()) return e;
   if (offset < 0 || offset > *row_bytes - pbytes)
     return xla::ffi::Error::InvalidArgument(
         std::string(name) + " rows of " + std::to_string(*row_bytes) +
@@ -123,7 +118,15 @@ inline xla::ffi::Error check_dequantize_args(int64_t bits, int64_t bucket_size, 
   if (auto e = rows_and_length(out_dims, "output", rows, n); e.failure()) return e;
   if (auto e = check_multiple(*n, bucket_size, "output"); e.failure()) return e;
   const int64_t pbytes = packet_bytes(*n, static_cast<int>(bits), bucket_size);
-  return check_packet_window(packets_dims, "packets", *rows, pbytes, offset, row_bytes);
+  int64_t packet_rows = 0;
+  if (auto e = check_packet_window(packets_dims, "packets", pbytes, offset, &packet_rows,
+                                   row_bytes);
+      e.failure())
+    return e;
+  if (packet_rows != *rows)
+    return xla::ffi::Error::InvalidArgument("packets must have " + std::to_string(*rows) +
+                                            " rows, got " + std::to_string(packet_rows));
+  return xla::ffi::Error::Success();
 }
 
 // reduce_requantize: the peers' packets [N, P(n)] at byte `offset` of peers [N, W], seed
@@ -137,10 +140,7 @@ inline xla::ffi::Error check_reduce_requantize_args(
   if (auto e = check_codec(bits, bucket_size); e.failure()) return e;
   if (auto e = check_multiple(n, bucket_size, "n"); e.failure()) return e;
   const int64_t pbytes = packet_bytes(n, static_cast<int>(bits), bucket_size);
-  int64_t ignored = 0;
-  if (auto e = rows_and_length(peers_dims, "peers", num_peers, &ignored); e.failure())
-    return e;
-  if (auto e = check_packet_window(peers_dims, "peers", *num_peers, pbytes, offset, row_bytes);
+  if (auto e = check_packet_window(peers_dims, "peers", pbytes, offset, num_peers, row_bytes);
       e.failure())
     return e;
   if (auto e = check_count(seed_count, 2, "seed"); e.failure()) return e;

@@ -37,7 +37,8 @@ import sys
 import textwrap
 import time
 
-from cgx_jax.bench.common import add_report_arguments, parse_size, run_links, size_label
+from cgx_jax.bench.common import (add_report_arguments, add_worker_arguments, parse_size,
+                                  run_links, size_label)
 from cgx_jax.netem import argument_problem, parse_rate, shaped_network
 
 NS_PREFIX = "cgxbench"
@@ -554,10 +555,8 @@ def main(argv=None) -> int:
                                      description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    add_worker_arguments(parser)
     parser.add_argument("--torch-worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--coordinator", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.argv = argv
     if args.worker:

@@ -45,6 +45,13 @@ def add_report_arguments(p: argparse.ArgumentParser, plot: str) -> None:
                    help="measure nothing: print and write the reports of an earlier --json")
 
 
+def add_worker_arguments(p: argparse.ArgumentParser) -> None:
+    """The hidden options with which a benchmark starts its own worker processes."""
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--coordinator", default=None, help=argparse.SUPPRESS)
+
+
 class Terminated(Exception):
     """SIGTERM or SIGHUP, raised so that every ``with shaped_network(...)`` unwinds."""
 

@@ -35,7 +35,7 @@ import os
 import sys
 import time
 
-from cgx_jax.bench.common import add_report_arguments, run_links
+from cgx_jax.bench.common import add_report_arguments, add_worker_arguments, run_links
 from cgx_jax.netem import argument_problem, shaped_network
 
 NS_PREFIX = "cgxtrain"
@@ -419,9 +419,7 @@ def main(argv=None) -> int:
     p.add_argument("--subnet", default="10.214.0")
     p.add_argument("--netns-prefix", default=NS_PREFIX)
     add_report_arguments(p, "seconds per step per mode, one panel per model")
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--out", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--coordinator", default=None, help=argparse.SUPPRESS)
+    add_worker_arguments(p)
     args = p.parse_args(argv)
     args.argv = argv
     if args.worker:
