@@ -17,14 +17,15 @@ def run_cli(*args):
 def test_small_run_writes_every_kernel(tmp_path):
     out = tmp_path / "kernels.json"
     done = run_cli("--platform", "cpu", "--sizes", "64K", "--bits", "2", "8", "--peers", "4",
-                   "--repeats", "1", "--json", str(out))
+                   "--rounding", "stochastic", "nearest", "--repeats", "1", "--json", str(out))
     assert done.returncode == 0, done.stderr[-2000:]
     rows = json.loads(out.read_text())["rows"]
     assert {r["elements"] for r in rows} == {65536}
-    kinds = [(r["kernel"], r["bits"]) for r in rows]
-    assert kinds == [("copy (baseline)", 32), ("quantize", 2), ("dequantize", 2),
-                     ("reduce_requantize N=4", 2), ("quantize", 8), ("dequantize", 8),
-                     ("reduce_requantize N=4", 8)]
+    kinds = [(r["kernel"], r["bits"], r["rounding"]) for r in rows]
+    kernels = ("quantize", "dequantize", "reduce_requantize N=4")
+    assert kinds == [("copy (baseline)", 32, "-")] + [
+        (kernel, bits, rounding) for bits in (2, 8) for rounding in ("stochastic", "nearest")
+        for kernel in kernels]
     assert all(r["seconds"] > 0 and r["gb_per_s"] > 0 for r in rows)
     assert "quantize" in done.stdout and "65536" in done.stdout
 
@@ -34,6 +35,7 @@ def test_small_run_writes_every_kernel(tmp_path):
     (["--sizes", "4096", "--peers", "8"], "at least one 1024-value bucket per peer (8192"),
     (["--bits", "9"], "--bits must be 1..8, got [9]"),
     (["--peers", "0"], "--peers must be at least 1, got 0"),
+    (["--rounding", "up"], "invalid choice: 'up'"),
 ])
 def test_bad_arguments_exit_with_a_message(args, message):
     done = run_cli(*args)
