@@ -62,7 +62,9 @@ def test_layer_errors_measures_the_real_codec():
             np.testing.assert_allclose(table.errors[i, j], jnp.sum((x - y) ** 2), rtol=1e-5)
             assert table.bytes[i, j] == cgx.wire_bytes(x.size, codec)
     jitted = jax.jit(lambda g: cgx.layer_errors(g, (2, 5), 64, base=base))(grads)
-    np.testing.assert_array_equal(np.asarray(jitted.errors), np.asarray(table.errors))
+    # The same codec bytes; XLA may sum the squared errors in another order under jit (on a
+    # GPU it does), so the f32 sums agree to rounding, not to the bit.
+    np.testing.assert_allclose(np.asarray(jitted.errors), np.asarray(table.errors), rtol=1e-6)
     assert jitted.bytes.tolist() == table.bytes.tolist()
 
 

@@ -68,6 +68,19 @@ def test_pytree_mixed_dtypes_scalars_empty_and_integer_leaves():
     np.testing.assert_array_equal(np.asarray(out["scalar"][0]), np.float32(28))
 
 
+def test_empty_leaves_skip_the_collective():
+    # jax 0.11's XLA:CPU crashes compiling a zero-element all-reduce beside other outputs, so
+    # an empty leaf must come back (empty, its dtype) without one.
+    tree = {"w": jnp.ones((8, 64)), "empty": jnp.zeros((8, 0), jnp.bfloat16)}
+    fn = lambda t: cgx.compressed_psum(t, "batch", codec=cgx.Codec(rounding="nearest"))  # noqa
+    mapped = jax.shard_map(lambda t: fn(jax.tree.map(lambda v: v[0], t)), mesh=cpu_mesh(8),
+                           in_specs=P("batch"), out_specs=P())
+    assert "all_reduce" not in jax.jit(mapped).lower(tree).as_text()  # "w" travels compressed
+    out = run_sharded(fn, tree, 8)
+    assert out["empty"].shape == (8, 0) and out["empty"].dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(out["w"]), 8.0)
+
+
 def test_pmean_is_psum_divided_by_participants():
     codec = cgx.Codec(bits=8, bucket_size=64, rounding="nearest")
     inputs = jax.random.normal(jax.random.key(5), (6, 500))

@@ -42,6 +42,7 @@ SCRIPT = textwrap.dedent("""
 def faults_of_second_block(setting):
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)
+    env["JAX_PLATFORMS"] = "cpu"  # the setting is for CPU processes (none on a GPU backend)
     if setting is not None:
         env["CGX_JAX_KEEP_FREED_MEMORY"] = setting
     done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True,

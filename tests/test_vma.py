@@ -55,7 +55,8 @@ def run(style, reducer, local=True):
 
     state = init(params)
     if style == "pmap":
-        f = jax.pmap(lambda p, s, x, y: step(p, s, x, y), axis_name=AXIS)
+        f = jax.pmap(lambda p, s, x, y: step(p, s, x, y), axis_name=AXIS,
+                     devices=jax.devices("cpu")[:NUM_DEVICES])  # also on a 1-GPU machine
         replicate = lambda t: jax.tree.map(lambda v: jnp.stack([v] * NUM_DEVICES), t)  # noqa
         params_in, state = replicate(params), replicate(state)
         for _ in range(STEPS):
