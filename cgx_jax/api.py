@@ -192,12 +192,13 @@ def reduce_tree(x, axis_name, *, codec=None, policy=None, key=None, algorithm="a
                     inner_axis_name)
         multiple = inner_size * padding_multiple(algorithm, group_codec, num_participants)
         segments = [[members[j] for j in segment] for segment in fusion.split_segments(
-            [leaves[i].size for i in members], multiple, plan.leaf_segments)]
+            [leaves[i].size for i in members], multiple, plan.segment_rows)]
         seeds = phase_seeds(key if group_codec.stochastic else None, group_number, participant,
                             len(segments), num_phases(algorithm, num_participants))
-        bufs = [fusion.pack([leaves[i] for i in segment], group_codec.bucket_size, multiple)
-                for segment in segments]
-        totals, seg_errors = allreduce_segments(bufs, seeds, plan)
+        bufs, lengths = zip(*[fusion.pack([leaves[i] for i in segment],
+                                          group_codec.bucket_size, multiple, plan.segment_rows)
+                              for segment in segments])
+        totals, seg_errors = allreduce_segments(list(bufs), seeds, plan, lengths)
         for segment, total, error in zip(segments, totals, seg_errors):
             if mean:
                 total = total / jnp.float32(num_participants * inner_size)

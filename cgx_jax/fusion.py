@@ -2,10 +2,11 @@
 layers cost one set of collectives per codec (docs/design.md section 6).
 
 The group is split into segments (``split_segments``): with SRA and all-gather each large
-leaf that needs no padding is a segment of its own, which the kernels read and whose result
-they write in place (a reshape, no copy); the other leaves are packed into one more
-segment. Packing flattens each leaf and pads it to whole buckets (so no bucket mixes two
-layers' scales), concatenates the pieces and pads the segment to what the algorithm needs.
+leaf is a segment of its own, which the kernels read and whose result they write in place
+(a reshape, no copy; a leaf short of whole chunks is padded by the kernels, which read its
+missing values as its last one); the other leaves are packed into one more segment.
+Packing flattens each leaf and pads it to whole buckets (so no bucket mixes two layers'
+scales), concatenates the pieces and pads the segment to what the algorithm needs.
 """
 
 from __future__ import annotations
@@ -37,47 +38,65 @@ def group_by_codec(leaves, codecs) -> tuple[dict[Codec, list[int]], list[int]]:
     return groups, exact
 
 
-# A leaf of at least this many values whose size is a whole number of the algorithm's
-# chunks travels as its own segment: the kernels read it and write its result in place
+# A leaf of at least this many values travels as its own segment when the kernels can read
+# it in place: its size is a whole number of the algorithm's chunks, or it falls short only
+# within the last one (the kernels read the missing values as the leaf's last, and write
+# only the values the leaf has). They then read the leaf and write its result in place
 # (reshapes, no copies). Packing it with other leaves would copy it into the fused buffer
 # and its result back out: for the 10M-value kernels of an MLP (4 processes, 1 Gbit/s) those
-# copies made the pytree 1.5x slower than the same values as one array. A leaf that needs
-# padding is copied either way (and its result sliced out), and measured faster packed with
-# the others (one copy pass instead of one per leaf); small leaves are packed so that a
-# model's many small leaves do not cost three kernel calls each.
+# copies made the pytree 1.5x slower than the same values as one array. Small leaves are
+# packed so that a model's many small leaves do not cost three kernel calls each.
 OWN_SEGMENT_MIN_VALUES = 1 << 18
 
 
-def split_segments(sizes, multiple: int, leaf_segments: bool) -> list[list[int]]:
-    """Positions (into ``sizes``) of each segment's leaves. With ``leaf_segments``, every leaf
-    of at least ``OWN_SEGMENT_MIN_VALUES`` values that is a multiple of ``multiple`` (the
-    algorithm's padding multiple) alone, in order, then the others together; without, one
-    segment of all (the ring and the hierarchical reduction run on one buffer).
+def fits_short_row(size: int, multiple: int, rows: int | None) -> bool:
+    """Whether ``size`` values padded to ``multiple`` and viewed as ``rows`` rows leave only
+    the last row short (what the kernels read in place); ``rows`` None: never.
 
     Example:
-        >>> split_segments([1 << 20, 10, 1 << 18, 5, (1 << 20) + 1], 4096, leaf_segments=True)
-        [[0], [2], [1, 3, 4]]
-        >>> split_segments([1 << 20, 10], 4096, leaf_segments=False)
+        >>> fits_short_row(4000, 4096, 4), fits_short_row(3000, 4096, 4)
+        (True, False)
+    """
+    padded = padded_length(size, multiple)
+    return rows is not None and size > 0 and padded - size < padded // rows
+
+
+def split_segments(sizes, multiple: int, rows: int | None) -> list[list[int]]:
+    """Positions (into ``sizes``) of each segment's leaves. With ``rows`` (the rows the
+    algorithm views a segment as: SRA N, all-gather 1), every leaf of at least
+    ``OWN_SEGMENT_MIN_VALUES`` values that ``fits_short_row`` alone, in order, then the others
+    together; with ``rows`` None, one segment of all (the ring and the hierarchical reduction
+    run on one padded buffer).
+
+    Example:
+        >>> split_segments([1 << 20, 10, 1 << 18, 5, (1 << 20) + 1], 4096, rows=4)
+        [[0], [2], [4], [1, 3]]
+        >>> split_segments([1 << 20, (1 << 20) + 1], 4096, rows=None)
         [[0, 1]]
     """
-    if not leaf_segments:
+    if rows is None:
         return [list(range(len(sizes)))]
 
     def alone(size):
-        return size >= OWN_SEGMENT_MIN_VALUES and size % multiple == 0
+        return size >= OWN_SEGMENT_MIN_VALUES and fits_short_row(size, multiple, rows)
 
     packed = [i for i, size in enumerate(sizes) if not alone(size)]
     return [[i] for i, size in enumerate(sizes) if alone(size)] + ([packed] if packed else [])
 
 
-def pack(leaves, bucket_size: int, multiple: int):
-    """One f32 buffer (a reshape when ``leaves`` is one f32 leaf needing no padding): each
-    leaf flattened and padded to whole buckets of ``bucket_size``, concatenated, the whole
-    padded to a multiple of ``multiple`` (padding repeats the last value, see
-    ``codec.pad_to_multiple``)."""
+def pack(leaves, bucket_size: int, multiple: int, rows: int | None = None):
+    """One f32 buffer and the length the algorithm sees (a multiple of ``multiple``). One
+    leaf that ``fits_short_row`` is the buffer itself, flattened (a reshape for f32), its
+    padding left to the kernels. Otherwise each leaf is flattened and padded to whole buckets
+    of ``bucket_size``, the pieces concatenated and the whole padded to a multiple of
+    ``multiple`` (padding repeats the last value, see ``codec.pad_to_multiple``)."""
+    if len(leaves) == 1 and fits_short_row(leaves[0].size, multiple, rows):
+        return (leaves[0].reshape(-1).astype(jnp.float32),
+                padded_length(leaves[0].size, multiple))
     pieces = [pad_to_multiple(leaf.reshape(-1).astype(jnp.float32), bucket_size)
               for leaf in leaves]
-    return pad_to_multiple(jnp.concatenate(pieces), multiple)
+    buf = pad_to_multiple(jnp.concatenate(pieces), multiple)
+    return buf, buf.size
 
 
 def unpack(buf, shapes, bucket_size: int) -> list:

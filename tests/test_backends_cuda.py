@@ -320,6 +320,42 @@ def test_packet_windows_match_cpu(offset_kind):
     assert_no_differences(found)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_short_last_rows_match_cpu(dtype):
+    """Buffers whose last row is short (a leaf travelling in place, fusion.py): x, own and the
+    sum of reduce_requantize, and dequantize's output; every bucket kind, team size and a cut
+    inside a group of 8, at a bucket edge and one value into the last row."""
+    rng = np.random.default_rng(DTYPES.index(dtype) + 40)
+    cases, inputs = [], []
+    for bits, bucket_size in ((3, 8), (4, 64), (5, 1024), (2, 16384)):
+        codec = Codec(bits=bits, bucket_size=bucket_size, rounding="stochastic")
+        rows, n = 3, 2 * bucket_size
+        for short in (1, 5, bucket_size, n - 1):
+            x = mixed_buckets(rng, rows, n, bucket_size, dtype).reshape(-1)[:rows * n - short]
+            peers = _peers(rows, bits, bucket_size, n, "stochastic")
+            seed = rng.integers(0, 2**32, 2, dtype=np.uint32)
+            cases.append((codec, n, x.size))
+            inputs.append((x, peers, seed))
+
+    def program(inputs):
+        outs = []
+        for (codec, n, size), (x, peers, seed) in zip(cases, inputs):
+            packets = ffi.quantize_rows(x, seed, codec, skip_row=1, n=n)
+            decoded = ffi.dequantize_rows(packets, codec, n, x.dtype, size=size)
+            reduced = [ffi.reduce_requantize(peers, x, np.int32(i), seed, codec, n,
+                                             emit_sum=True, sum_size=size - 2 * n)
+                       for i in (0, 2)]
+            outs.append((packets, decoded, reduced))
+        return outs
+
+    gpu, cpu = run_on_both(program, inputs)
+    found = []
+    for case, g, c in zip(cases, gpu, cpu):
+        for i, (gl, cl) in enumerate(zip(jax.tree.leaves(g), jax.tree.leaves(c))):
+            found.append(difference(gl, cl, f"short rows {case} output {i}"))
+    assert_no_differences(found)
+
+
 # ---------------------------------------------------------------------------
 # compressed_psum on one GPU (axis size 1)
 # ---------------------------------------------------------------------------

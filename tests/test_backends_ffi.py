@@ -223,6 +223,41 @@ def test_packet_windows_read_in_place_match_model(backend):
     assert_same_floats(total, want_sum, "reduce sum")
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("backend", [ffi, pure_jax], ids=["ffi", "jax"])
+def test_short_last_row_reads_as_padding_and_writes_only_its_values(backend, dtype):
+    # A large leaf short of whole chunks travels in place (fusion.py): the kernels read its
+    # missing values as its last one and write only the values it has. The model sees the
+    # leaf padded with its last value (codec.pad_to_multiple), then cut back.
+    codec = codec_of(3, 64, "stochastic")
+    rng = np.random.default_rng(11)
+    rows, n = 4, 640
+    seed = np.array([9, 10], np.uint32)
+    peers = model.quantize_rows(realistic(rng, rows, n, 64), [7, 8], 3, 64, True)
+    for size in (rows * n - 1, rows * n - 63, rows * n - 64, rows * n - 65, (rows - 1) * n + 1):
+        x, x32 = as_dtype(realistic(rng, 1, rows * n, 64)[0, :size], dtype)
+        padded = np.concatenate([x32, np.repeat(x32[-1:], rows * n - size)]).reshape(rows, n)
+        what = f"{size} of {rows} x {n} values"
+        packets = jax.jit(functools.partial(backend.quantize_rows, codec=codec, n=n))(
+            on_cpu(x), seed, skip_row=np.int32(1))
+        want = model.quantize_rows(padded, seed, 3, 64, True, 1)
+        assert_bytes_equal(packets, want, f"quantize {what}")
+        decoded = jax.jit(functools.partial(backend.dequantize_rows, codec=codec, n=n,
+                                            dtype=dtype, size=size))(on_cpu(want))
+        want_decoded = model.dequantize_rows(want, 3, 64, n).astype(dtype).reshape(-1)[:size]
+        assert decoded.shape == (size,)
+        assert_same_floats(decoded, want_decoded, f"dequantize {what}")
+        reduce = jax.jit(functools.partial(backend.reduce_requantize, codec=codec, n=n,
+                                           emit_sum=True, sum_size=size - 3 * n))
+        for own_index in (0, rows - 1):  # a full row, and the short one
+            packet, total = reduce(on_cpu(peers), on_cpu(x), np.int32(own_index), seed)
+            want_packet, want_sum = model.reduce_requantize(peers, padded[own_index], own_index,
+                                                            seed, 3, 64, True, n)
+            assert_bytes_equal(packet, want_packet, f"reduce own row {own_index} of {what}")
+            assert total.shape == (size - 3 * n,)
+            assert_same_floats(total, want_sum[:size - 3 * n], f"short sum, {what}")
+
+
 @pytest.mark.parametrize("own", [False, True])
 def test_reduce_requantize_matches_model_on_large_chunk(own):
     """3 peers x 2^18 values: enough work for the thread-pool split."""
@@ -475,14 +510,16 @@ PEERS = np.zeros((3, P16), np.uint8)
 OWN = np.ones(16, np.float32)
 
 
-def _quantize_call(x=X16, seed=SEED, out=(1, P16), skip_row=np.int32(-1), **attrs):
+def _quantize_call(x=X16, seed=SEED, out=(1, P16), skip_row=np.int32(-1), n=16, **attrs):
     attrs.setdefault("stochastic", False)
-    return _call("cgx_quantize", _sds(out, jnp.uint8), x, seed, skip_row, **attrs)
+    return _call("cgx_quantize", _sds(out, jnp.uint8), x, seed, skip_row, n=np.int64(n),
+                 **attrs)
 
 
 def _dequantize_call(packets=np.zeros((1, P16), np.uint8), out=(1, 16), dtype=jnp.float32,
-                     offset=0, **attrs):
-    return _call("cgx_dequantize", _sds(out, dtype), packets, offset=np.int64(offset), **attrs)
+                     offset=0, n=16, **attrs):
+    return _call("cgx_dequantize", _sds(out, dtype), packets, offset=np.int64(offset),
+                 n=np.int64(n), **attrs)
 
 
 def _reduce_call(peers=PEERS, own=OWN, own_index=0, seed=SEED, n=16, packet=P16, total=16,
@@ -494,11 +531,17 @@ def _reduce_call(peers=PEERS, own=OWN, own_index=0, seed=SEED, n=16, packet=P16,
 
 
 FFI_ERROR_CASES = {
-    "quantize packets length": (lambda: _quantize_call(out=(1, P16 + 1)), "packets must hold"),
+    "quantize packets length": (lambda: _quantize_call(out=(1, P16 + 1)),
+                                f"packets rows must hold {P16} bytes"),
     # (A call whose only result is empty is dropped by XLA, so the result has 8 bytes.)
     "quantize n not multiple": (lambda: _quantize_call(x=np.ones((1, 12), np.float32),
-                                                       out=(1, 8)),
-                                "x length 12 .*bucket_size"),
+                                                       out=(1, 8), n=12),
+                                "n length 12 .*bucket_size"),
+    "quantize x short of its rows": (
+        lambda: _quantize_call(out=(2, P16)),
+        r"x must hold 2 rows of 16 values, the last possibly short \(17 to 32 values\), got 16"),
+    "quantize x past its rows": (lambda: _quantize_call(x=np.ones(17, np.float32)),
+                                 r"x must hold 1 rows of 16 values.*got 17"),
     "quantize bits=9": (lambda: _quantize_call(bits=9), "bits must be"),
     "quantize bits=0": (lambda: _quantize_call(bits=0), "bits must be"),
     "quantize bucket_size=12": (lambda: _quantize_call(bucket_size=12), "bucket_size must be"),
@@ -508,7 +551,7 @@ FFI_ERROR_CASES = {
                            "seed must hold 2"),
     "quantize skip_row of 2": (lambda: _quantize_call(skip_row=np.zeros(2, np.int32)),
                                "skip_row must hold 1"),
-    "quantize rank 3": (lambda: _quantize_call(x=np.ones((1, 1, 16), np.float32)), "rank"),
+    "quantize packets rank 3": (lambda: _quantize_call(out=(1, 1, P16)), "rank"),
     "quantize int32 x": (lambda: _quantize_call(x=np.ones((1, 16), np.int32)), "x must be"),
     "dequantize packets length": (lambda: _dequantize_call(np.zeros((1, P16 - 1), np.uint8)),
                                   f"packets rows of {P16 - 1} bytes cannot hold a packet of "
@@ -518,9 +561,12 @@ FFI_ERROR_CASES = {
         f"packets rows of {P16 + 7} bytes cannot hold a packet of {P16} bytes at offset 8"),
     "dequantize negative offset": (lambda: _dequantize_call(offset=-1), "at offset -1"),
     "dequantize packets rows": (lambda: _dequantize_call(np.zeros((2, P16), np.uint8)),
-                                "packets must have 1 rows, got 2"),
-    "dequantize n not multiple": (lambda: _dequantize_call(out=(1, 12)),
-                                  "output length 12 .*bucket_size"),
+                                r"output must hold 2 rows of 16 values.*\(17 to 32 values\), "
+                                "got 16"),
+    "dequantize output past its rows": (lambda: _dequantize_call(out=(17,)),
+                                        "output must hold 1 rows of 16 values.*got 17"),
+    "dequantize n not multiple": (lambda: _dequantize_call(out=(1, 12), n=12),
+                                  "n length 12 .*bucket_size"),
     "dequantize bits=9": (lambda: _dequantize_call(bits=9), "bits must be"),
     "dequantize int32 output": (lambda: _dequantize_call(dtype=jnp.int32), "output must be"),
     "reduce bits=9": (lambda: _reduce_call(bits=9), "bits must be"),
@@ -538,7 +584,9 @@ FFI_ERROR_CASES = {
     "reduce own_index = N": (lambda: _reduce_call(own_index=3), "own_index"),
     "reduce own_index < 0": (lambda: _reduce_call(own_index=-1), "own_index"),
     "reduce packet length": (lambda: _reduce_call(packet=P16 - 1), "packet must hold"),
-    "reduce sum length": (lambda: _reduce_call(total=15), "sum must hold"),
+    "reduce sum length": (lambda: _reduce_call(total=17), "sum must hold 1 rows of 16 values"),
+    "reduce own short of its rows": (lambda: _reduce_call(own=np.ones(33, np.float32)[:32]),
+                                     r"all 3 rows \(33 to 48, the last row possibly short\)"),
 }
 
 
@@ -558,3 +606,8 @@ def test_ffi_handlers_accept_the_consistent_calls():
     assert np.asarray(packet).shape == (P16,)
     packet, total = _reduce_call(own=np.zeros(0, np.float32), own_index=7, packet=0)
     assert np.asarray(packet).shape == (0,) and np.asarray(total).shape == (16,)
+    # Short last rows: x, the output, own (all rows) and the sum.
+    assert np.asarray(_quantize_call(x=np.ones(17, np.float32), out=(2, P16))).shape == (2, P16)
+    assert np.asarray(_dequantize_call(np.zeros((2, P16), np.uint8), out=(17,))).shape == (17,)
+    packet, total = _reduce_call(own=np.ones(33, np.float32), own_index=2, total=5)
+    np.testing.assert_array_equal(np.asarray(total), np.ones(5, np.float32))

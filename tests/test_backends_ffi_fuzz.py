@@ -44,27 +44,32 @@ codecs = st.tuples(st.integers(1, 8), st.sampled_from([8, 16, 24, 64, 200]), st.
 @SETTINGS
 @given(codec=codecs, rows=st.integers(0, 3), buckets=st.integers(0, 4),
        length_delta=st.sampled_from([0, 0, 0, -8, 8, 1]), packet_delta=st.sampled_from([0, 0, 1, -1]),
-       seed_len=st.sampled_from([2, 2, 2, 1, 3]), data=st.data())
+       seed_len=st.sampled_from([2, 2, 2, 1, 3]), short=st.sampled_from([0, 0, 1, 9, 200]),
+       data=st.data())
 def test_quantize_matches_model_or_fails(codec, rows, buckets, length_delta, packet_delta,
-                                         seed_len, data):
+                                         seed_len, short, data):
+    """x's last row is ``short`` values short (read as padding with the last value)."""
     bits, bucket_size, stochastic = codec
     n = max(0, buckets * bucket_size + length_delta)
-    x = np.asarray(data.draw(st.lists(st.floats(-1e6, 1e6, width=32), min_size=rows * n,
-                                      max_size=rows * n)), np.float32).reshape(rows, n)
+    short = min(short, rows * n)
+    x = np.asarray(data.draw(st.lists(st.floats(-1e6, 1e6, width=32), min_size=rows * n - short,
+                                      max_size=rows * n - short)), np.float32)
     seed = np.arange(1, seed_len + 1, dtype=np.uint32)
     pbytes = model.packet_bytes(n, bits, bucket_size) if n % bucket_size == 0 else 0
     out = sds((rows, max(0, pbytes + packet_delta)), jnp.uint8)
     skip_row = data.draw(st.sampled_from([-1, -1, 0, rows - 1, rows, 2**31 - 1]))
     run = lambda: call("cgx_quantize", out, x, seed, np.int32(skip_row), bits=bits,
-                       bucket_size=bucket_size, stochastic=stochastic)
-    consistent = (n % bucket_size == 0 and packet_delta == 0 and seed_len == 2)
+                       bucket_size=bucket_size, stochastic=stochastic, n=n)
+    consistent = (n % bucket_size == 0 and packet_delta == 0 and seed_len == 2 and
+                  (short < n or short == 0))
     if not consistent:
         # XLA skips a custom call whose outputs are all empty; nothing can be written then.
         if rows * out.shape[1] > 0:
             assert raises(run)
         return
     got = np.asarray(run())
-    want = model.quantize_rows(x, seed, bits, bucket_size, stochastic, skip_row)
+    padded = np.concatenate([x, np.repeat(x[-1:], short)]).reshape(rows, n)
+    want = model.quantize_rows(padded, seed, bits, bucket_size, stochastic, skip_row)
     np.testing.assert_array_equal(got, want)
 
 
@@ -82,7 +87,7 @@ def test_dequantize_of_arbitrary_bytes_matches_model_or_fails(codec, rows, bucke
     packets = np.frombuffer(data.draw(st.binary(min_size=rows * pbytes, max_size=rows * pbytes)),
                             np.uint8).reshape(rows, pbytes)
     run = lambda: call("cgx_dequantize", sds((rows, n), jnp.float32), packets, bits=bits,
-                       bucket_size=bucket_size, offset=offset)
+                       bucket_size=bucket_size, offset=offset, n=n)
     if not 0 <= offset <= packet_delta:  # the rows cannot hold a packet at that offset
         assert raises(run)
         return
@@ -95,12 +100,14 @@ def test_dequantize_of_arbitrary_bytes_matches_model_or_fails(codec, rows, bucke
 
 @SETTINGS
 @given(codec=codecs, peers=st.integers(1, 4), buckets=st.integers(1, 3),
-       own_index=st.integers(-2, 5), with_own=st.booleans(),
-       packet_delta=st.sampled_from([0, 0, 1]), sum_delta=st.sampled_from([0, 0, -8]),
+       own_index=st.integers(-2, 5), own=st.sampled_from([None, "chunk", "rows", "short rows"]),
+       packet_delta=st.sampled_from([0, 0, 1]), sum_delta=st.sampled_from([0, 0, -8, 8]),
        before=st.sampled_from([0, 0, 3, 8]), after=st.sampled_from([0, 5]), data=st.data())
-def test_reduce_requantize_matches_model_or_fails(codec, peers, buckets, own_index, with_own,
+def test_reduce_requantize_matches_model_or_fails(codec, peers, buckets, own_index, own,
                                                   packet_delta, sum_delta, before, after, data):
-    """The peers' packets sit at byte ``before`` of rows with ``after`` more bytes (junk)."""
+    """The peers' packets sit at byte ``before`` of rows with ``after`` more bytes (junk);
+    ``own`` is absent, one chunk, or all rows (the last 3 values short); the sum may be
+    8 values short (or 8 too long: an error)."""
     bits, bucket_size, stochastic = codec
     n = buckets * bucket_size
     pbytes = model.packet_bytes(n, bits, bucket_size)
@@ -110,23 +117,32 @@ def test_reduce_requantize_matches_model_or_fails(codec, peers, buckets, own_ind
     junk = np.frombuffer(data.draw(st.binary(min_size=peers * 13, max_size=peers * 13)),
                          np.uint8).reshape(peers, 13)
     rows = np.concatenate([junk[:, :before], packets, junk[:, 8:8 + after]], axis=1)
-    own = chunks[0] * 2 if with_own else np.zeros((0,), np.float32)
+    with_own = own is not None
+    all_rows = (chunks * 2).reshape(-1)
+    own_values = {None: np.zeros((0,), np.float32), "chunk": chunks[0] * 2, "rows": all_rows,
+                  "short rows": all_rows[:-3]}[own]
+    # The own chunk the kernel reads: row own_index of all rows padded with their last value.
+    padded_rows = np.concatenate([all_rows[:-3], np.repeat(all_rows[-4:-3], 3)])
+    own_chunk = {"chunk": chunks[0] * 2, "rows": all_rows.reshape(peers, n),
+                 "short rows": padded_rows.reshape(peers, n)}.get(own)
+    if own in ("rows", "short rows") and 0 <= own_index < peers:
+        own_chunk = own_chunk[own_index]
     seed = np.array([7, 8], np.uint32)
     outs = (sds((pbytes + packet_delta,), jnp.uint8), sds((n + sum_delta,), jnp.float32))
-    run = lambda: call("cgx_reduce_requantize", outs, rows, own, np.int32(own_index), seed,
-                       bits=bits, bucket_size=bucket_size, stochastic=stochastic, n=n,
+    run = lambda: call("cgx_reduce_requantize", outs, rows, own_values, np.int32(own_index),
+                       seed, bits=bits, bucket_size=bucket_size, stochastic=stochastic, n=n,
                        offset=before)
-    # An empty output means "not wanted" (n = 8, sum_delta = -8 asks for no sum), not a wrong size.
-    wrong_sum = sum_delta != 0 and n + sum_delta != 0
-    if packet_delta or wrong_sum or (with_own and not 0 <= own_index < peers):
+    # A sum 8 short is a short sum; an empty one means "not wanted" (n = 8, sum_delta = -8).
+    if packet_delta or sum_delta > 0 or (with_own and not 0 <= own_index < peers):
         assert raises(run)
         return
     packet, total = (np.asarray(a) for a in run())
     want_packet, want_total = model.reduce_requantize(
-        packets, own if with_own else None, own_index, seed, bits, bucket_size, stochastic, n)
+        packets, own_chunk, own_index, seed, bits, bucket_size, stochastic, n)
     np.testing.assert_array_equal(packet, want_packet)
-    if total.size:  # an empty sum output asks for the packet alone
-        np.testing.assert_array_equal(total, want_total)
+    # An empty sum output asks for the packet alone.
+    np.testing.assert_array_equal(total, want_total[:total.size])
+    assert total.size in (0, n + sum_delta)
 
 
 def test_reduce_requantize_with_an_empty_sum_output_returns_the_packet_alone():

@@ -1,6 +1,7 @@
 """Fusion into segments (cgx_jax/fusion.py, docs/design.md section 6): with SRA and
-all-gather every leaf of at least ``OWN_SEGMENT_MIN_VALUES`` values that needs no padding is
-a segment of its own and the other leaves are packed into one more; all segments share the
+all-gather every leaf of at least ``OWN_SEGMENT_MIN_VALUES`` values is a segment of its own
+(one short of whole chunks within its last chunk is padded by the kernels) and the other
+leaves are packed into one more; all segments share the
 algorithm's collectives. The reference is a numpy simulation of each algorithm per segment, built from
 the numpy model of the codec (tests/numpy_model.py) with nearest rounding, compared bit for
 bit: it sees which chunk (and so which participant's raw values) every bucket lands in.
@@ -15,7 +16,7 @@ import pytest
 import cgx_jax as cgx
 import numpy_model as model
 from cgx_jax.api import reduce_tree
-from cgx_jax.fusion import OWN_SEGMENT_MIN_VALUES, split_segments
+from cgx_jax.fusion import OWN_SEGMENT_MIN_VALUES, fits_short_row, split_segments
 from helpers import run_sharded
 
 CODEC = cgx.Codec(bits=3, bucket_size=64, rounding="nearest")
@@ -26,10 +27,15 @@ LARGE = OWN_SEGMENT_MIN_VALUES
 def test_split_segments_at_the_threshold():
     m = 4096
     sizes = [LARGE - m, LARGE, 5, 3 * LARGE, 0, LARGE + 1]
-    assert split_segments(sizes, m, leaf_segments=True) == [[1], [3], [0, 2, 4, 5]]
-    assert split_segments([LARGE, LARGE], m, leaf_segments=True) == [[0], [1]]
-    assert split_segments([5, 7], m, leaf_segments=True) == [[0, 1]]
-    assert split_segments(sizes, m, leaf_segments=False) == [[0, 1, 2, 3, 4, 5]]
+    assert split_segments(sizes, m, rows=4) == [[1], [3], [5], [0, 2, 4]]
+    assert split_segments([LARGE, LARGE], m, rows=4) == [[0], [1]]
+    assert split_segments([5, 7], m, rows=4) == [[0, 1]]
+    assert split_segments(sizes, m, rows=None) == [[0, 1, 2, 3, 4, 5]]
+    # Short of whole chunks only within the last of the rows: the kernels pad it in place.
+    assert fits_short_row(4 * LARGE - 1, 4 * LARGE, 4)
+    assert not fits_short_row(LARGE + 1, 2 * LARGE, 4)  # 3/4 of a chunk short: packed
+    assert split_segments([LARGE + 1, 2 * LARGE], 2 * LARGE, rows=4) == [[1], [0]]
+    assert split_segments([LARGE + 1], 2 * LARGE, rows=1) == [[0]]  # all-gather: one row
 
 
 # ---------------------------------------------------------------------------
@@ -95,8 +101,8 @@ def reference_tree(stacked, algorithm, segments):
 
 
 def model_tree(num_devices):
-    """Two large leaves, a large bf16 leaf, a large leaf needing padding and two small ones
-    (which travel packed with it)."""
+    """Two large leaves, a large bf16 leaf, a large leaf needing padding (a segment of its
+    own, padded by the kernels) and two small ones (packed together)."""
     rng = np.random.default_rng(num_devices)
     shapes = {"big": (512, 520), "big2": (512, LARGE // 512), "half": (640, 480),
               "odd": (513, 517), "small": (300, 7), "small2": (64, 64)}
@@ -107,11 +113,12 @@ def model_tree(num_devices):
 
 
 # Leaves in sorted order: big, big2, half, odd, small, small2. With 3 participants only
-# half is a whole number of SRA's chunks (3 x 64 values).
+# half is a whole number of SRA's chunks (3 x 64 values): big, big2 and odd are short
+# within their last chunk, which the kernels pad.
 @pytest.mark.parametrize("algorithm,num_devices,segments", [
-    ("sra", 4, [[0], [1], [2], [3, 4, 5]]),
-    ("sra", 3, [[2], [0, 1, 3, 4, 5]]),
-    ("allgather", 2, [[0], [1], [2], [3, 4, 5]]),
+    ("sra", 4, [[0], [1], [2], [3], [4, 5]]),
+    ("sra", 3, [[0], [1], [2], [3], [4, 5]]),
+    ("allgather", 2, [[0], [1], [2], [3], [4, 5]]),
 ])
 def test_segments_match_numpy_reference_bitwise(algorithm, num_devices, segments):
     stacked = model_tree(num_devices)

@@ -78,19 +78,39 @@ inline xla::ffi::Error unsupported_dtype(const char* name) {
 // The full argument check of each handler, shared by the CPU and CUDA builds
 // ---------------------------------------------------------------------------
 
-// quantize: x [rows, n] (n a multiple of bucket_size), seed [2], skip_row [1],
-// packets [rows, P].
-inline xla::ffi::Error check_quantize_args(int64_t bits, int64_t bucket_size,
-                                           xla::ffi::Span<const int64_t> x_dims,
-                                           int64_t seed_count, int64_t skip_row_count,
-                                           int64_t packets_count, int64_t* rows, int64_t* n) {
+// A buffer standing for `rows` rows of n values whose last row may be short: it holds
+// between (rows - 1) * n + 1 and rows * n values (none when rows * n is 0). The kernels read
+// a missing value as the buffer's last one (the padding of docs/design.md section 2) and
+// write only the values the buffer holds.
+inline xla::ffi::Error check_rows_of(int64_t count, int64_t rows, int64_t n, const char* name) {
+  const int64_t full = rows * n, least = rows * n == 0 ? 0 : (rows - 1) * n + 1;
+  if (count < least || count > full)
+    return xla::ffi::Error::InvalidArgument(
+        std::string(name) + " must hold " + std::to_string(rows) + " rows of " +
+        std::to_string(n) + " values, the last possibly short (" + std::to_string(least) +
+        " to " + std::to_string(full) + " values), got " + std::to_string(count));
+  return xla::ffi::Error::Success();
+}
+
+// quantize: x [rows, n] (n a multiple of bucket_size; x's shape does not matter, its last
+// row may be short), seed [2], skip_row [1], packets [rows, P].
+inline xla::ffi::Error check_quantize_args(int64_t bits, int64_t bucket_size, int64_t n,
+                                           int64_t x_count, int64_t seed_count,
+                                           int64_t skip_row_count,
+                                           xla::ffi::Span<const int64_t> packets_dims,
+                                           int64_t* rows) {
   if (auto e = check_codec(bits, bucket_size); e.failure()) return e;
-  if (auto e = rows_and_length(x_dims, "x", rows, n); e.failure()) return e;
-  if (auto e = check_multiple(*n, bucket_size, "x"); e.failure()) return e;
+  if (auto e = check_multiple(n, bucket_size, "n"); e.failure()) return e;
+  int64_t pbytes = 0;
+  if (auto e = rows_and_length(packets_dims, "packets", rows, &pbytes); e.failure()) return e;
+  const int64_t want = packet_bytes(n, static_cast<int>(bits), bucket_size);
+  if (pbytes != want)
+    return xla::ffi::Error::InvalidArgument("packets rows must hold " + std::to_string(want) +
+                                            " bytes (one packet of n = " + std::to_string(n) +
+                                            " values), got " + std::to_string(pbytes));
+  if (auto e = check_rows_of(x_count, *rows, n, "x"); e.failure()) return e;
   if (auto e = check_count(seed_count, 2, "seed"); e.failure()) return e;
-  if (auto e = check_count(skip_row_count, 1, "skip_row"); e.failure()) return e;
-  const int64_t pbytes = packet_bytes(*n, static_cast<int>(bits), bucket_size);
-  return check_count(packets_count, *rows * pbytes, "packets");
+  return check_count(skip_row_count, 1, "skip_row");
 }
 
 // A window of `pbytes` bytes at byte `offset` of each row of `dims` ([rows, W], or [W] for
@@ -109,29 +129,25 @@ inline xla::ffi::Error check_packet_window(xla::ffi::Span<const int64_t> dims, c
 }
 
 // dequantize: the packets [rows, P] at byte `offset` of packets [rows, W], output [rows, n]
-// (n a multiple of bucket_size).
-inline xla::ffi::Error check_dequantize_args(int64_t bits, int64_t bucket_size, int64_t offset,
-                                             xla::ffi::Span<const int64_t> out_dims,
+// (n a multiple of bucket_size; the output's shape does not matter, its last row may be
+// short).
+inline xla::ffi::Error check_dequantize_args(int64_t bits, int64_t bucket_size, int64_t n,
+                                             int64_t offset, int64_t out_count,
                                              xla::ffi::Span<const int64_t> packets_dims,
-                                             int64_t* rows, int64_t* n, int64_t* row_bytes) {
+                                             int64_t* rows, int64_t* row_bytes) {
   if (auto e = check_codec(bits, bucket_size); e.failure()) return e;
-  if (auto e = rows_and_length(out_dims, "output", rows, n); e.failure()) return e;
-  if (auto e = check_multiple(*n, bucket_size, "output"); e.failure()) return e;
-  const int64_t pbytes = packet_bytes(*n, static_cast<int>(bits), bucket_size);
-  int64_t packet_rows = 0;
-  if (auto e = check_packet_window(packets_dims, "packets", pbytes, offset, &packet_rows,
-                                   row_bytes);
+  if (auto e = check_multiple(n, bucket_size, "n"); e.failure()) return e;
+  const int64_t pbytes = packet_bytes(n, static_cast<int>(bits), bucket_size);
+  if (auto e = check_packet_window(packets_dims, "packets", pbytes, offset, rows, row_bytes);
       e.failure())
     return e;
-  if (packet_rows != *rows)
-    return xla::ffi::Error::InvalidArgument("packets must have " + std::to_string(*rows) +
-                                            " rows, got " + std::to_string(packet_rows));
-  return xla::ffi::Error::Success();
+  return check_rows_of(out_count, *rows, n, "output");
 }
 
 // reduce_requantize: the peers' packets [N, P(n)] at byte `offset` of peers [N, W], seed
-// [2], own_index [1], the optional own ([n], or all N rows [N, n] of which row own_index is
-// read, or empty), packet [P(n)] and sum [n] (each full or empty).
+// [2], own_index [1], the optional own ([n], or all N rows [N, n], the last possibly short,
+// of which row own_index is read, or empty), packet [P(n)] (or empty) and sum ([n], possibly
+// short, or empty).
 inline xla::ffi::Error check_reduce_requantize_args(
     int64_t bits, int64_t bucket_size, int64_t n, int64_t offset,
     xla::ffi::Span<const int64_t> peers_dims, int64_t seed_count, int64_t own_index_count,
@@ -145,13 +161,16 @@ inline xla::ffi::Error check_reduce_requantize_args(
     return e;
   if (auto e = check_count(seed_count, 2, "seed"); e.failure()) return e;
   if (auto e = check_count(own_index_count, 1, "own_index"); e.failure()) return e;
-  if (own_count != 0 && own_count != n && own_count != *num_peers * n)
+  const int64_t all_least = (*num_peers - 1) * n + 1, all_full = *num_peers * n;
+  if (own_count != 0 && own_count != n && (own_count < all_least || own_count > all_full))
     return xla::ffi::Error::InvalidArgument(
         "own must hold n = " + std::to_string(n) + " elements, all " +
-        std::to_string(*num_peers) + " rows (" + std::to_string(*num_peers * n) +
-        "), or 0 to skip it, got " + std::to_string(own_count));
+        std::to_string(*num_peers) + " rows (" + std::to_string(all_least) + " to " +
+        std::to_string(all_full) + ", the last row possibly short), or 0 to skip it, got " +
+        std::to_string(own_count));
   if (auto e = check_count_or_empty(packet_count, pbytes, "packet"); e.failure()) return e;
-  return check_count_or_empty(sum_count, n, "sum");
+  if (sum_count == 0) return xla::ffi::Error::Success();
+  return check_rows_of(sum_count, 1, n, "sum");
 }
 
 // ---------------------------------------------------------------------------
@@ -164,13 +183,14 @@ template <typename Context>
 auto quantize_binding() {
   return xla::ffi::Ffi::Bind()
       .Ctx<Context>()
-      .template Arg<xla::ffi::AnyBuffer>()                    // x [rows, n]
+      .template Arg<xla::ffi::AnyBuffer>()                    // x [rows, n], last row may be short
       .template Arg<xla::ffi::Buffer<xla::ffi::U32>>()        // seed [2]
       .template Arg<xla::ffi::Buffer<xla::ffi::S32>>()        // skip_row []
       .template Ret<xla::ffi::Buffer<xla::ffi::U8>>()         // packets [rows, P]
       .template Attr<int64_t>("bits")
       .template Attr<int64_t>("bucket_size")
-      .template Attr<bool>("stochastic");
+      .template Attr<bool>("stochastic")
+      .template Attr<int64_t>("n");
 }
 
 template <typename Context>
@@ -178,10 +198,11 @@ auto dequantize_binding() {
   return xla::ffi::Ffi::Bind()
       .Ctx<Context>()
       .template Arg<xla::ffi::Buffer<xla::ffi::U8>>()         // packets [rows, W >= offset + P]
-      .template Ret<xla::ffi::AnyBuffer>()                    // x' [rows, n]
+      .template Ret<xla::ffi::AnyBuffer>()                    // x' [rows, n], last row may be short
       .template Attr<int64_t>("bits")
       .template Attr<int64_t>("bucket_size")
-      .template Attr<int64_t>("offset");
+      .template Attr<int64_t>("offset")
+      .template Attr<int64_t>("n");
 }
 
 template <typename Context>
@@ -189,11 +210,11 @@ auto reduce_requantize_binding() {
   return xla::ffi::Ffi::Bind()
       .Ctx<Context>()
       .template Arg<xla::ffi::Buffer<xla::ffi::U8>>()         // peers [N, W >= offset + P]
-      .template Arg<xla::ffi::AnyBuffer>()                    // own [n], [N, n] or [0]
+      .template Arg<xla::ffi::AnyBuffer>()                    // own [n], [N, n] (short) or [0]
       .template Arg<xla::ffi::Buffer<xla::ffi::S32>>()        // own_index []
       .template Arg<xla::ffi::Buffer<xla::ffi::U32>>()        // seed [2]
       .template Ret<xla::ffi::Buffer<xla::ffi::U8>>()         // packet [P] or [0]
-      .template Ret<xla::ffi::Buffer<xla::ffi::F32>>()        // sum [n] or [0]
+      .template Ret<xla::ffi::Buffer<xla::ffi::F32>>()        // sum [n] (short) or [0]
       .template Attr<int64_t>("bits")
       .template Attr<int64_t>("bucket_size")
       .template Attr<bool>("stochastic")

@@ -2,8 +2,9 @@
 
 The CPU module ``_cgx_cpu`` is always built; the CUDA module ``_cgx_cuda`` is optional and
 imported only when JAX has a GPU backend, so a CPU-only install never fails on import.
-Every wrapper works on 2-D ``[rows, n]`` arrays with ``n`` a multiple of the bucket size;
-padding and flattening belong to the callers (``cgx_jax.api``, ``cgx_jax.collectives``).
+Every wrapper works on ``[rows, n]`` arrays with ``n`` a multiple of the bucket size, whose
+last row may be short (flat, read as if padded with the last value); other padding and
+flattening belong to the callers (``cgx_jax.api``, ``cgx_jax.collectives``).
 The contract of each operation is in docs/design.md section 3.
 """
 
@@ -72,42 +73,60 @@ def _codec_attrs(codec: Codec) -> dict:
     return dict(bits=np.int64(codec.bits), bucket_size=np.int64(codec.bucket_size))
 
 
-def quantize_rows(x: jax.Array, seed: jax.Array, codec: Codec, skip_row=None) -> jax.Array:
+def quantize_rows(x: jax.Array, seed: jax.Array, codec: Codec, skip_row=None,
+                  n: int | None = None) -> jax.Array:
     """Encodes each row of ``x`` ``[rows, n]`` (f32/bf16/f16) as one packet -> ``uint8 [rows, P]``.
-
     ``seed`` is ``uint32[2]``; the stochastic noise of element ``(r, j)`` is keyed by the seed
     and the flat index ``r * n + j``. Row ``skip_row`` (an int32 scalar, may be traced; a
     value outside ``[0, rows)`` skips nothing) is not encoded and comes back as zero bytes:
     SRA never sends its own row, so it need not pay for encoding it.
+
+    With ``n`` given, ``x`` may be flat and its last row short (``ceil(x.size / n)`` rows):
+    the missing values are read as ``x``'s last one, so the packets are those of ``x`` padded
+    with ``codec.pad_to_multiple``, without the padded copy.
     """
     _register()
-    rows, n = x.shape
+    rows, n = _rows_of(x, n)
     skip_row = jnp.asarray(-1 if skip_row is None else skip_row, jnp.int32)
     out = jax.ShapeDtypeStruct((rows, packet_bytes(n, codec)), jnp.uint8)
     call = jax.ffi.ffi_call("cgx_quantize", out, vmap_method="sequential")
-    return call(x, seed, skip_row, stochastic=codec.stochastic, **_codec_attrs(codec))
+    return call(x, seed, skip_row, stochastic=codec.stochastic, n=np.int64(n),
+                **_codec_attrs(codec))
+
+
+def _rows_of(x, n):
+    """(rows, n) of ``x``: its shape ``[rows, n]``, or with ``n`` given ``ceil(size / n)`` rows
+    (the last possibly short)."""
+    if n is None:
+        return x.shape
+    return -(-x.size // n), n
 
 
 def dequantize_rows(packets: jax.Array, codec: Codec, n: int, dtype,
-                    offset: int = 0) -> jax.Array:
+                    offset: int = 0, size: int | None = None) -> jax.Array:
     """Decodes packets of ``n`` values each -> ``[rows, n]`` of ``dtype``. Row ``r``'s packet
     is ``packets[r, offset:offset + P]`` of ``packets uint8 [rows, W]`` (a wire row carrying
-    several segments' packets is read in place, not sliced into a copy)."""
+    several segments' packets is read in place, not sliced into a copy). With ``size``, the
+    result is flat ``[size]``: the first ``size`` values (the last row short), no copy."""
     _register()
-    out = jax.ShapeDtypeStruct((packets.shape[0], n), dtype)
+    shape = (packets.shape[0], n) if size is None else (size,)
+    out = jax.ShapeDtypeStruct(shape, dtype)
     call = jax.ffi.ffi_call("cgx_dequantize", out, vmap_method="sequential")
-    return call(packets, offset=np.int64(offset), **_codec_attrs(codec))
+    return call(packets, offset=np.int64(offset), n=np.int64(n), **_codec_attrs(codec))
 
 
 def reduce_requantize(peers, own, own_index, seed, codec: Codec, n: int, *,
-                      emit_packet: bool = True, emit_sum: bool = False, offset: int = 0):
+                      emit_packet: bool = True, emit_sum: bool = False, offset: int = 0,
+                      sum_size: int | None = None):
     """The peer-to-peer reduction: decodes the ``N`` packets ``peers[:, offset:offset + P]``
-    (of ``peers uint8 [N, W]``) of one chunk of ``n`` values, sums them in f32 in peer order 0..N-1 (peer ``own_index`` replaced by the raw
-    ``own`` chunk unless ``own`` is None) and re-encodes the sum as one packet. ``own`` is the
-    ``[n]`` chunk or all ``[N, n]`` rows, of which the kernel reads row ``own_index`` (so a
-    caller holding the rows passes them without slicing out a copy).
+    (of ``peers uint8 [N, W]``) of one chunk of ``n`` values, sums them in f32 in peer order
+    0..N-1 (peer ``own_index`` replaced by the raw ``own`` chunk unless ``own`` is None) and
+    re-encodes the sum as one packet. ``own`` is the ``[n]`` chunk or all ``N`` rows of ``n``
+    (any shape, the last row possibly short: a missing value reads as the last one), of which
+    the kernel reads row ``own_index`` (so a caller holding the rows passes them without
+    slicing out a copy). ``sum_size`` keeps the first values of the sum only.
 
-    Returns ``(packet uint8[P] or None, sum f32[n] or None)``.
+    Returns ``(packet uint8[P] or None, sum f32[n] (or [sum_size]) or None)``.
     """
     _register()
     pbytes = packet_bytes(n, codec)
@@ -115,7 +134,8 @@ def reduce_requantize(peers, own, own_index, seed, codec: Codec, n: int, *,
         own = jnp.zeros((0,), jnp.float32)
     outs = (
         jax.ShapeDtypeStruct((pbytes if emit_packet else 0,), jnp.uint8),
-        jax.ShapeDtypeStruct((n if emit_sum else 0,), jnp.float32),
+        jax.ShapeDtypeStruct(((n if sum_size is None else sum_size) if emit_sum else 0,),
+                             jnp.float32),
     )
     call = jax.ffi.ffi_call("cgx_reduce_requantize", outs, vmap_method="sequential")
     packet, total = call(peers, own, jnp.asarray(own_index, jnp.int32), seed,

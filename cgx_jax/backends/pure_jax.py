@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cgx_jax.codec import Codec, packet_bytes
+from cgx_jax.codec import Codec, pad_to_multiple, packet_bytes
 
 _F32_MAX = np.float32(np.finfo(np.float32).max)
 
@@ -47,8 +47,16 @@ def _unpack(codes, bits):
     return jnp.sum(bitstream << jnp.arange(bits, dtype=jnp.uint32), axis=-1)
 
 
-def quantize_rows(x, seed, codec: Codec, skip_row=None):
+def _full_rows(x, n):
+    """``x`` (flat, its last row of ``n`` possibly short) padded with its last value ->
+    ``[rows, n]``."""
+    return pad_to_multiple(x.reshape(-1), n).reshape(-1, n)
+
+
+def quantize_rows(x, seed, codec: Codec, skip_row=None, n=None):
     """Same contract as ``cgx_jax.backends.ffi.quantize_rows``."""
+    if n is not None:
+        x = _full_rows(x, n)
     rows, n = x.shape
     b, size = codec.bits, codec.bucket_size
     values = x.astype(jnp.float32).reshape(rows, n // size, size)
@@ -82,8 +90,10 @@ def quantize_rows(x, seed, codec: Codec, skip_row=None):
     return jnp.where(jnp.arange(rows)[:, None] == skip_row, jnp.uint8(0), packets)
 
 
-def dequantize_rows(packets, codec: Codec, n: int, dtype, offset: int = 0):
+def dequantize_rows(packets, codec: Codec, n: int, dtype, offset: int = 0, size=None):
     """Same contract as ``cgx_jax.backends.ffi.dequantize_rows``."""
+    if size is not None:
+        return dequantize_rows(packets, codec, n, dtype, offset).reshape(-1)[:size]
     packets = packets[:, offset:offset + packet_bytes(n, codec)]
     rows = packets.shape[0]
     nb = n // codec.bucket_size
@@ -103,7 +113,8 @@ def dequantize_rows(packets, codec: Codec, n: int, dtype, offset: int = 0):
 
 
 def reduce_requantize(peers, own, own_index, seed, codec: Codec, n: int, *,
-                      emit_packet: bool = True, emit_sum: bool = False, offset: int = 0):
+                      emit_packet: bool = True, emit_sum: bool = False, offset: int = 0,
+                      sum_size=None):
     """Same contract as ``cgx_jax.backends.ffi.reduce_requantize``."""
     num_peers = peers.shape[0]
     pbytes = packet_bytes(n, codec)
@@ -112,8 +123,10 @@ def reduce_requantize(peers, own, own_index, seed, codec: Codec, n: int, *,
                          f"{pbytes} bytes at offset {offset}")
     peers = peers[:, offset:offset + pbytes]
     decoded = dequantize_rows(peers, codec, n, jnp.float32)
-    if own is not None and own.ndim == 2:  # all rows given: row own_index is the own chunk
-        own = jax.lax.dynamic_index_in_dim(own, own_index, axis=0, keepdims=False)
+    if own is not None:  # the chunk, or all rows of which row own_index is the own chunk
+        rows = _full_rows(own, n)
+        own = rows[0] if own.size <= n else jax.lax.dynamic_index_in_dim(
+            rows, own_index, axis=0, keepdims=False)
     if own is not None:
         is_own = jnp.arange(num_peers)[:, None] == own_index
         decoded = jnp.where(is_own, own.astype(jnp.float32)[None, :], decoded)
@@ -121,4 +134,4 @@ def reduce_requantize(peers, own, own_index, seed, codec: Codec, n: int, *,
     for peer in range(num_peers):  # peer order 0..N-1, as the kernels
         total = total + decoded[peer]
     packet = quantize_rows(total[None, :], seed, codec)[0] if emit_packet else None
-    return packet, (total if emit_sum else None)
+    return packet, ((total if sum_size is None else total[:sum_size]) if emit_sum else None)

@@ -85,11 +85,14 @@ class Plan:
     inner_axis_name: Hashable = None
 
     @property
-    def leaf_segments(self) -> bool:
-        """Whether large leaves travel as segments of their own (``fusion.split_segments``):
-        SRA and all-gather take several segments; the ring and the hierarchical reduction
-        one buffer."""
-        return self.algorithm in ("sra", "allgather") and self.inner_axis_name is None
+    def segment_rows(self) -> int | None:
+        """The rows the kernels view each segment as, whose last may be short (SRA N chunks,
+        all-gather one), when large leaves travel as segments of their own
+        (``fusion.split_segments``); None for the ring and the hierarchical reduction, which
+        take one padded buffer."""
+        if self.inner_axis_name is not None or self.algorithm not in ("sra", "allgather"):
+            return None
+        return self.num_participants if self.algorithm == "sra" else 1
 
     @property
     def all_axes(self):
@@ -99,35 +102,38 @@ class Plan:
         return axis_tuple(self.axis_name) + axis_tuple(self.inner_axis_name)
 
 
-def _reduce_flat(bufs, seeds, plan: Plan, index):
+def _reduce_flat(bufs, lengths, seeds, plan: Plan, index):
     """The plan's flat algorithm over ``plan.axis_name`` -> (sums, errors or None), one per
     segment. The ring takes a single segment."""
     backend = get_backend(plan.backend)
     args = (plan.axis_name, index, plan.num_participants)
     if plan.algorithm in ("sra", "allgather"):
         algorithm = scatter_reduce_allgather if plan.algorithm == "sra" else allgather_reduce
-        return algorithm(bufs, *args, seeds, plan.codec, backend, local_error=plan.local_error)
+        return algorithm(bufs, lengths, *args, seeds, plan.codec, backend,
+                         local_error=plan.local_error)
     (buf,), (seeds,) = bufs, seeds
     total, error = ring_reduce(buf, *args, seeds, plan.codec, backend,
                                local_error=plan.local_error)
     return [total], (None if error is None else [error])
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
-def allreduce_segments(bufs, seeds, plan: Plan):
-    """The compressed sums of the segments ``bufs`` (a list of flat f32 buffers, each padded
-    for the algorithm; ``seeds uint32[segments, phases, 2]``) over ``plan.all_axes`` ->
-    ``(f32 sums, local compression errors)``, lists like ``bufs`` (the errors empty arrays
-    without ``local_error``); differentiable as an exact ``psum`` (straight-through). More
-    than one segment needs ``plan.leaf_segments``."""
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3))
+def allreduce_segments(bufs, seeds, plan: Plan, lengths: tuple):
+    """The compressed sums of the segments ``bufs`` (a list of flat f32 buffers;
+    ``seeds uint32[segments, phases, 2]``) over ``plan.all_axes`` -> ``(f32 sums, local
+    compression errors)``, lists like ``bufs`` (the errors empty arrays without
+    ``local_error``); differentiable as an exact ``psum`` (straight-through). ``lengths``
+    are the lengths the algorithm sees, padded for it: a buffer is that long, or (with
+    ``plan.segment_rows``) short within its last row (``fusion.pack``). More than one
+    segment needs ``plan.segment_rows``."""
     index = lax.axis_index(plan.axis_name)
     if plan.inner_axis_name is None:
-        totals, errors = _reduce_flat(bufs, seeds, plan, index)
+        totals, errors = _reduce_flat(bufs, lengths, seeds, plan, index)
     else:
         (buf,) = bufs
 
         def reduce_outer(piece):
-            (total,), errors = _reduce_flat([piece], seeds, plan, index)
+            (total,), errors = _reduce_flat([piece], (piece.size,), seeds, plan, index)
             return total, (None if errors is None else errors[0])
 
         total, error = hierarchical_reduce(buf, plan.inner_axis_name, reduce_outer)
@@ -138,11 +144,11 @@ def allreduce_segments(bufs, seeds, plan: Plan):
 
 
 @allreduce_segments.defjvp
-def _allreduce_segments_jvp(plan, primals, tangents):
+def _allreduce_segments_jvp(plan, lengths, primals, tangents):
     # Straight-through: the derivative of a (compressed) sum is the exact sum of tangents,
     # whose transpose is again a psum, so jax.grad works through compressed_psum.
     bufs, seeds = primals
-    totals, errors = allreduce_segments(bufs, seeds, plan)
+    totals, errors = allreduce_segments(bufs, seeds, plan, lengths)
     # Under shard_map both are typed invariant over the reduced axes (the algorithms end in
     # an invariant gather), so jax.grad of a per-participant loss counts it once, as for psum.
     tangent = lax.psum(list(tangents[0]), plan.all_axes)

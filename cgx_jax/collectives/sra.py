@@ -7,35 +7,37 @@ import jax.numpy as jnp
 from cgx_jax.collectives.transport import column_offsets, exchange_rows, gather_packets
 
 
-def scatter_reduce_allgather(bufs, axis_name, index, num_participants, seeds, codec, backend,
-                             local_error=False):
-    """SRA of the segments ``bufs`` (each padded to N whole-bucket chunks; ``seeds`` one
-    ``[2, 2]`` pair per segment): quantize the N-1 chunks of the peers (the own one stays
-    raw, so it is not encoded) -> exchange them (an all-to-all) -> reduce own chunk and
-    re-encode -> all_gather -> decode. Row ``j`` on the wire holds chunk ``j`` of every
-    segment, one packet after the other, so all segments share the two collectives. Every
-    participant decodes the same bytes, so all replicas end bitwise identical. Traffic:
-    2(N-1)/N packets per participant; each value quantized twice.
+def scatter_reduce_allgather(bufs, lengths, axis_name, index, num_participants, seeds, codec,
+                             backend, local_error=False):
+    """SRA of the segments ``bufs`` (each seen as N whole-bucket chunks of ``length / N``
+    values, the last possibly short; ``seeds`` one ``[2, 2]`` pair per segment): quantize the
+    N-1 chunks of the peers (the own one stays raw, so it is not encoded) -> exchange them
+    (an all-to-all) -> reduce own chunk and re-encode -> all_gather -> decode. Row ``j`` on
+    the wire holds chunk ``j`` of every segment, one packet after the other, so all segments
+    share the two collectives. Every participant decodes the same bytes, so all replicas end
+    bitwise identical. Traffic: 2(N-1)/N packets per participant; each value quantized twice.
 
-    Returns the segments' f32 sums and, with ``local_error``, their errors (else None)."""
+    Returns the segments' f32 sums (each as long as its buffer) and, with ``local_error``,
+    their errors (else None)."""
     n = num_participants
-    rows = [buf.reshape(n, -1) for buf in bufs]
-    packets = [backend.quantize_rows(r, s[0], codec, skip_row=index) for r, s in zip(rows, seeds)]
+    chunks = [length // n for length in lengths]
+    packets = [backend.quantize_rows(buf, s[0], codec, skip_row=index, n=chunk)
+               for buf, s, chunk in zip(bufs, seeds, chunks)]
     offsets = column_offsets(packets)
     received = exchange_rows(jnp.concatenate(packets, axis=1), axis_name, index, n)
-    # The kernels read the own chunk from the rows and each segment's packets at their
-    # offset in the wire rows: slicing either out here would make XLA copy it.
-    reduced = [backend.reduce_requantize(received, r, index, s[1], codec, r.shape[1],
+    # The kernels read the own chunk from the buffer (its row `index`) and each segment's
+    # packets at their offset in the wire rows: slicing either out here would make XLA copy it.
+    reduced = [backend.reduce_requantize(received, buf, index, s[1], codec, chunk,
                                          offset=offset)[0]
-               for r, s, offset in zip(rows, seeds, offsets)]
+               for buf, s, chunk, offset in zip(bufs, seeds, chunks, offsets)]
     gathered = gather_packets(jnp.concatenate(reduced), axis_name, n)
-    totals = [backend.dequantize_rows(gathered, codec, r.shape[1], "float32",
-                                      offset=offset).reshape(-1)
-              for r, offset in zip(rows, offsets)]
+    totals = [backend.dequantize_rows(gathered, codec, chunk, "float32", offset=offset,
+                                      size=buf.size)
+              for buf, chunk, offset in zip(bufs, chunks, offsets)]
     errors = None
     if local_error:  # the own chunk is used raw, so it loses nothing
         errors = []
-        for r, p in zip(rows, packets):
-            lost = r - backend.dequantize_rows(p, codec, r.shape[1], "float32")
-            errors.append(jnp.where(jnp.arange(n)[:, None] == index, 0.0, lost).reshape(-1))
+        for buf, p, chunk in zip(bufs, packets, chunks):
+            lost = buf - backend.dequantize_rows(p, codec, chunk, "float32", size=buf.size)
+            errors.append(jnp.where(jnp.arange(buf.size) // chunk == index, 0.0, lost))
     return totals, errors

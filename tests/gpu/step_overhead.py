@@ -92,7 +92,6 @@ def vit_step_rows(device, args):
     """The example's training step with the exact pmean transform and with cgx, one GPU."""
     import jax
     import numpy as np
-    import optax
     from flax import nnx
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 

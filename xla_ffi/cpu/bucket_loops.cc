@@ -212,6 +212,16 @@ const uint8_t* codes_of(const uint8_t* packet, int64_t nb, int64_t bucket, int64
   return packet + nb * kMetaBytesPerBucket + bucket * cbytes;
 }
 
+// Values first..first+size-1 of x, which holds `count`: those past it read as x[count - 1]
+// (the padding of docs/design.md section 2), copied bit for bit into `padded`.
+template <typename T>
+const T* padded_bucket(const T* x, int64_t first, int64_t count, int64_t size, T* padded) {
+  const int64_t have = std::max<int64_t>(0, std::min(size, count - first));
+  std::copy(x + first, x + first + have, padded);
+  std::fill(padded + have, padded + size, x[count - 1]);
+  return padded;
+}
+
 template <typename Tag>
 void quantize_range(const QuantizeJob& job, int64_t begin, int64_t end) {
   const CodecParams& p = job.codec;
@@ -220,6 +230,7 @@ void quantize_range(const QuantizeJob& job, int64_t begin, int64_t end) {
   const int64_t pbytes = packet_bytes(job.n, p.bits, p.bucket_size);
   const int64_t cbytes = code_bytes_per_bucket(p.bits, p.bucket_size);
   std::unique_ptr<uint8_t[]> levels(new uint8_t[p.bucket_size]);
+  std::unique_ptr<typename Tag::storage[]> padded;  // for buckets past a short last row
   for (int64_t i = begin; i < end; ++i) {
     const int64_t row = i / nb, bucket = i % nb;
     uint8_t* packet = job.packets + row * pbytes;
@@ -230,7 +241,12 @@ void quantize_range(const QuantizeJob& job, int64_t begin, int64_t end) {
       continue;
     }
     const int64_t first = row * job.n + bucket * p.bucket_size;
-    quantize_bucket<Tag>(x + first, p, static_cast<uint32_t>(first), bucket, packet,
+    const typename Tag::storage* values = x + first;
+    if (first + p.bucket_size > job.x_count) {
+      if (!padded) padded.reset(new typename Tag::storage[p.bucket_size]);
+      values = padded_bucket(x, first, job.x_count, p.bucket_size, padded.get());
+    }
+    quantize_bucket<Tag>(values, p, static_cast<uint32_t>(first), bucket, packet,
                          codes_of(packet, nb, bucket, cbytes), levels.get());
   }
 }
@@ -244,10 +260,22 @@ void dequantize_range(const DequantizeJob& job, int64_t begin, int64_t end) {
   for (int64_t i = begin; i < end; ++i) {
     const int64_t row = i / nb, bucket = i % nb;
     const uint8_t* packet = job.packets + row * job.row_bytes;
-    typename Tag::storage* dst = out + row * job.n + bucket * job.bucket_size;
-    dequantize_bucket(packet, bucket, codes_of(packet, nb, bucket, cbytes), job.bits,
-                      job.bucket_size, levels.get(),
-                      [&](int64_t j, float v) { store_from_float(dst, j, canonical_nan(v), Tag{}); });
+    const int64_t first = row * job.n + bucket * job.bucket_size;
+    if (first >= job.out_count) continue;  // past a short last row
+    typename Tag::storage* dst = out + first;
+    const uint8_t* codes = codes_of(packet, nb, bucket, cbytes);
+    if (first + job.bucket_size <= job.out_count) {
+      dequantize_bucket(packet, bucket, codes, job.bits, job.bucket_size, levels.get(),
+                        [&](int64_t j, float v) {
+                          store_from_float(dst, j, canonical_nan(v), Tag{});
+                        });
+    } else {
+      const int64_t keep = job.out_count - first;
+      dequantize_bucket(packet, bucket, codes, job.bits, job.bucket_size, levels.get(),
+                        [&](int64_t j, float v) {
+                          if (j < keep) store_from_float(dst, j, canonical_nan(v), Tag{});
+                        });
+    }
   }
 }
 
@@ -257,16 +285,24 @@ void reduce_range(const ReduceJob& job, int64_t begin, int64_t end) {
   const auto* own = static_cast<const typename Tag::storage*>(job.own);
   const int64_t nb = job.n / p.bucket_size;
   const int64_t cbytes = code_bytes_per_bucket(p.bits, p.bucket_size);
-  std::unique_ptr<float[]> scratch(job.sum_out ? nullptr : new float[p.bucket_size]);
+  std::unique_ptr<float[]> scratch(new float[p.bucket_size]);
   std::unique_ptr<uint8_t[]> levels(new uint8_t[p.bucket_size]);
+  std::unique_ptr<typename Tag::storage[]> padded;  // for buckets past a short own row
   for (int64_t bucket = begin; bucket < end; ++bucket) {
     const int64_t first = bucket * p.bucket_size;
-    float* acc = job.sum_out ? job.sum_out + first : scratch.get();
+    // The sum goes straight to sum_out, except for a bucket a short sum_out cuts.
+    const bool sum_in_place = job.sum_out && first + p.bucket_size <= job.sum_count;
+    float* acc = sum_in_place ? job.sum_out + first : scratch.get();
     std::fill(acc, acc + p.bucket_size, 0.0f);
     for (int64_t peer = 0; peer < job.num_peers; ++peer) {
       if (own != nullptr && peer == job.own_index) {
+        const typename Tag::storage* values = own + first;
+        if (first + p.bucket_size > job.own_count) {
+          if (!padded) padded.reset(new typename Tag::storage[p.bucket_size]);
+          values = padded_bucket(own, first, job.own_count, p.bucket_size, padded.get());
+        }
         for (int64_t j = 0; j < p.bucket_size; ++j)
-          acc[j] = add_rn(acc[j], load_as_float(own, first + j, Tag{}));
+          acc[j] = add_rn(acc[j], load_as_float(values, j, Tag{}));
       } else {
         const uint8_t* packet = job.peers + peer * job.row_bytes;
         dequantize_bucket(packet, bucket, codes_of(packet, nb, bucket, cbytes), p.bits,
@@ -275,6 +311,8 @@ void reduce_range(const ReduceJob& job, int64_t begin, int64_t end) {
     }
     if (job.sum_out) {
       for (int64_t j = 0; j < p.bucket_size; ++j) acc[j] = canonical_nan(acc[j]);
+      if (!sum_in_place && first < job.sum_count)
+        std::copy(acc, acc + (job.sum_count - first), job.sum_out + first);
     }
     if (job.packet_out) {
       quantize_bucket<F32>(acc, p, static_cast<uint32_t>(first), bucket, job.packet_out,

@@ -18,10 +18,12 @@ struct CodecParams {
 };
 
 // x [rows, n] -> packets [rows, P]; work item i is bucket i % nb of row i / nb. Row
-// skip_row (when in range) is not encoded: its packet is all zero bytes.
+// skip_row (when in range) is not encoded: its packet is all zero bytes. x holds x_count
+// values: the last row may be short, and a missing value reads as x[x_count - 1].
 struct QuantizeJob {
   ElementType type;
   const void* x;
+  int64_t x_count;
   int64_t n;
   CodecParams codec;
   int64_t skip_row;
@@ -29,7 +31,8 @@ struct QuantizeJob {
 };
 
 // packets [rows, P] (row r's packet at packets + r * row_bytes) -> out [rows, n]; work items
-// as for QuantizeJob.
+// as for QuantizeJob. out holds out_count values (the last row may be short): values past
+// it are not written.
 struct DequantizeJob {
   ElementType type;
   const uint8_t* packets;
@@ -38,12 +41,15 @@ struct DequantizeJob {
   int bits;
   int64_t bucket_size;
   void* out;
+  int64_t out_count;
 };
 
 // N peers' packets [N, P] (peer p's at peers + p * row_bytes) of one chunk of n values (+ the
 // raw own chunk, replacing peer own_index when own is not null) -> f32 sum in peer order,
 // re-encoded into packet_out and/or written to sum_out (either may be null); work item i is
-// bucket i of the chunk.
+// bucket i of the chunk. own holds own_count values of the chunk (a short last row: a
+// missing value reads as own[own_count - 1]); sum_out holds sum_count (values past it are
+// not written).
 struct ReduceJob {
   ElementType own_type;
   const uint8_t* peers;
@@ -51,10 +57,12 @@ struct ReduceJob {
   int64_t num_peers;
   int64_t n;
   const void* own;
+  int64_t own_count;
   int32_t own_index;
   CodecParams codec;
   uint8_t* packet_out;
   float* sum_out;
+  int64_t sum_count;
 };
 
 struct BucketLoops {

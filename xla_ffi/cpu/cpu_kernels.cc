@@ -164,17 +164,18 @@ bool element_type_of(ffi::DataType dtype, ElementType* type) {
 // Handlers
 // ---------------------------------------------------------------------------
 
-// quantize: x [rows, n] -> packets [rows, P]; row skip_row (if in [0, rows)) -> zero bytes
+// quantize: x [rows, n] (the last row may be short) -> packets [rows, P]; row skip_row (if
+// in [0, rows)) -> zero bytes
 ffi::Error Quantize(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> seed,
                     ffi::Buffer<ffi::S32> skip_row, ffi::ResultBuffer<ffi::U8> packets,
-                    int64_t bits, int64_t bucket_size, bool stochastic) {
-  int64_t rows = 0, n = 0;
-  if (auto e = check_quantize_args(bits, bucket_size, x.dimensions(), seed.element_count(),
-                                   skip_row.element_count(), packets->element_count(), &rows,
-                                   &n);
+                    int64_t bits, int64_t bucket_size, bool stochastic, int64_t n) {
+  int64_t rows = 0;
+  if (auto e = check_quantize_args(bits, bucket_size, n, x.element_count(),
+                                   seed.element_count(), skip_row.element_count(),
+                                   packets->dimensions(), &rows);
       e.failure())
     return e;
-  QuantizeJob job{ElementType::kF32, x.untyped_data(), n,
+  QuantizeJob job{ElementType::kF32, x.untyped_data(), x.element_count(), n,
                   CodecParams{static_cast<int>(bits), bucket_size, stochastic,
                               seed.typed_data()[0], seed.typed_data()[1]},
                   skip_row.typed_data()[0], packets->typed_data()};
@@ -186,16 +187,17 @@ ffi::Error Quantize(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U32
 }
 
 // dequantize: the packets [rows, P] at byte `offset` of each row of packets -> x' [rows, n]
+// (the last row may be short)
 ffi::Error Dequantize(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> packets,
                       ffi::Result<ffi::AnyBuffer> x, int64_t bits, int64_t bucket_size,
-                      int64_t offset) {
-  int64_t rows = 0, n = 0, row_bytes = 0;
-  if (auto e = check_dequantize_args(bits, bucket_size, offset, x->dimensions(),
-                                     packets.dimensions(), &rows, &n, &row_bytes);
+                      int64_t offset, int64_t n) {
+  int64_t rows = 0, row_bytes = 0;
+  if (auto e = check_dequantize_args(bits, bucket_size, n, offset, x->element_count(),
+                                     packets.dimensions(), &rows, &row_bytes);
       e.failure())
     return e;
   DequantizeJob job{ElementType::kF32, packets.typed_data() + offset, row_bytes, n,
-                    static_cast<int>(bits), bucket_size, x->untyped_data()};
+                    static_cast<int>(bits), bucket_size, x->untyped_data(), x->element_count()};
   if (!element_type_of(x->element_type(), &job.type)) return unsupported_dtype("output");
   if (rows * n == 0) return ffi::Error::Success();
   parallel_for(pool, rows * (n / bucket_size), bucket_size,
@@ -218,11 +220,12 @@ ffi::Error ReduceRequantize(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> peers, ff
       e.failure())
     return e;
   ReduceJob job{ElementType::kF32, peers.typed_data() + offset, row_bytes, num_peers, n,
-                own.element_count() ? own.untyped_data() : nullptr, own_index.typed_data()[0],
+                own.element_count() ? own.untyped_data() : nullptr, own.element_count(),
+                own_index.typed_data()[0],
                 CodecParams{static_cast<int>(bits), bucket_size, stochastic,
                             seed.typed_data()[0], seed.typed_data()[1]},
                 packet->element_count() ? packet->typed_data() : nullptr,
-                sum->element_count() ? sum->typed_data() : nullptr};
+                sum->element_count() ? sum->typed_data() : nullptr, sum->element_count()};
   if (!element_type_of(own.element_type(), &job.own_type)) return unsupported_dtype("own");
   // The raw chunk replaces the own_index-th peer, which must then name a real peer.
   if (job.own != nullptr && (job.own_index < 0 || job.own_index >= num_peers)) {
@@ -230,11 +233,12 @@ ffi::Error ReduceRequantize(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> peers, ff
                                        ") when own is given, got " +
                                        std::to_string(job.own_index));
   }
-  // own given as all N rows (SRA's input buffer, so no copy of the own chunk): read row
-  // own_index.
-  if (job.own != nullptr && num_peers > 1 && own.element_count() == num_peers * n) {
+  // own given as all N rows (SRA's input buffer, so no copy of the own chunk; the last row
+  // may be short): read row own_index.
+  if (job.own != nullptr && own.element_count() > n) {
     const int64_t element_bytes = job.own_type == ElementType::kF32 ? 4 : 2;
     job.own = static_cast<const char*>(job.own) + job.own_index * n * element_bytes;
+    job.own_count -= job.own_index * n;
   }
   if (n == 0 || (job.packet_out == nullptr && job.sum_out == nullptr))
     return ffi::Error::Success();

@@ -225,6 +225,24 @@ __device__ __forceinline__ void store8(typename Tag::storage* __restrict__ p, in
   }
 }
 
+// Values i..i+7 of a buffer holding `count` (i + 8 > count: the end of a short last row);
+// a missing value reads as p[count - 1], the padding of docs/design.md section 2.
+template <typename Tag>
+__device__ __forceinline__ void load8_clamped(const typename Tag::storage* __restrict__ p,
+                                              int64_t i, int64_t count, float (&v)[8]) {
+#pragma unroll
+  for (int k = 0; k < 8; ++k) v[k] = load_as_float(p, i + k < count ? i + k : count - 1, Tag{});
+}
+
+// Writes those of values i..i+7 that a buffer holding `count` has.
+template <typename Tag>
+__device__ __forceinline__ void store8_clamped(typename Tag::storage* __restrict__ p, int64_t i,
+                                               int64_t count, const float (&v)[8]) {
+#pragma unroll
+  for (int k = 0; k < 8; ++k)
+    if (i + k < count) store_from_float(p, i + k, v[k], Tag{});
+}
+
 // Meta of one bucket. Packets promise no alignment; when the caller knows every packet's
 // meta is 8-byte aligned one load replaces load_meta's byte reads (same bytes, little endian).
 __device__ __forceinline__ void read_meta(const uint8_t* __restrict__ packet, int64_t bucket,
@@ -294,8 +312,8 @@ __device__ __forceinline__ Noise read_noise(bool stochastic, const uint32_t* __r
 
 template <typename Tag, int TEAM>
 __global__ void __launch_bounds__(kThreads)
-    quantize_kernel(const typename Tag::storage* __restrict__ x, int64_t rows, int64_t n,
-                    int bits, int64_t bucket_size, bool stochastic,
+    quantize_kernel(const typename Tag::storage* __restrict__ x, int64_t x_count, int64_t rows,
+                    int64_t n, int bits, int64_t bucket_size, bool stochastic,
                     const uint32_t* __restrict__ seed, const int32_t* __restrict__ skip_row,
                     uint8_t* __restrict__ out, bool x_vectorized) {
   const Team<TEAM> team;
@@ -315,11 +333,19 @@ __global__ void __launch_bounds__(kThreads)
     }
     const int64_t first = row * n + bucket * bucket_size;  // flat index: the noise counter
     const typename Tag::storage* xb = x + first;
+    const bool cut = first + bucket_size > x_count;  // the end of a short last row
+    auto values = [&](int64_t g, float(&v)[8]) {
+      if (cut) {
+        load8_clamped<Tag>(x, first + 8 * g, x_count, v);
+      } else {
+        load8<Tag>(xb, 8 * g, x_vectorized, v);
+      }
+    };
 
     Range r = Range::empty();
     for (int64_t g = team.rank; g < groups; g += TEAM) {
       float v[8];
-      load8<Tag>(xb, 8 * g, x_vectorized, v);
+      values(g, v);
 #pragma unroll
       for (int k = 0; k < 8; ++k) r.add(v[k]);
     }
@@ -333,9 +359,8 @@ __global__ void __launch_bounds__(kThreads)
       zero_codes<TEAM>(codes, cbytes, team.rank);
       continue;
     }
-    encode_groups<TEAM>(
-        [&](int64_t g, float(&v)[8]) { load8<Tag>(xb, 8 * g, x_vectorized, v); }, groups, s,
-        bits, noise, static_cast<uint32_t>(first), codes, team.rank);
+    encode_groups<TEAM>(values, groups, s, bits, noise, static_cast<uint32_t>(first), codes,
+                        team.rank);
   }
 }
 
@@ -347,7 +372,7 @@ template <typename Tag, int TEAM>
 __global__ void __launch_bounds__(kThreads)
     dequantize_kernel(const uint8_t* __restrict__ in, int64_t row_bytes, int64_t rows, int64_t n,
                       int bits, int64_t bucket_size, typename Tag::storage* __restrict__ out,
-                      bool meta_aligned, bool out_vectorized) {
+                      int64_t out_count, bool meta_aligned, bool out_vectorized) {
   const Team<TEAM> team;
   const int64_t nb = n / bucket_size;
   const int64_t cbytes = code_bytes_per_bucket(bits, bucket_size);
@@ -359,13 +384,19 @@ __global__ void __launch_bounds__(kThreads)
     float mn, unit;
     read_meta(packet, bucket, meta_aligned, &mn, &unit);
     const int64_t first = row * n + bucket * bucket_size;
+    if (first >= out_count) continue;  // past a short last row
+    const bool cut = first + bucket_size > out_count;
     for (int64_t g = team.rank; g < groups; g += TEAM) {
       uint32_t levels[8];
       unpack8(codes + g * bits, bits, levels);
       float v[8];
 #pragma unroll
       for (int k = 0; k < 8; ++k) v[k] = canonical_nan(decode_level(levels[k], mn, unit));
-      store8<Tag>(out, first + 8 * g, out_vectorized, v);
+      if (cut) {
+        store8_clamped<Tag>(out, first + 8 * g, out_count, v);
+      } else {
+        store8<Tag>(out, first + 8 * g, out_vectorized, v);
+      }
     }
   }
 }
@@ -382,6 +413,7 @@ struct ReduceArgs {
   int64_t n;
   const int32_t* own_index;  // device scalar
   int64_t own_row_stride;    // n when own holds all N rows (row own_index is read), else 0
+  int64_t own_count;         // values in own (its last row may be short)
   const uint32_t* seed;      // device [2]
   int bits;
   int64_t bucket_size;
@@ -389,6 +421,7 @@ struct ReduceArgs {
   int64_t tile;  // elements of a bucket summed per step; == bucket_size when sums are staged
   uint8_t* packet_out;  // nullptr: not wanted
   float* sum_out;       // nullptr: not wanted
+  int64_t sum_count;    // values in sum_out (it may be short)
   bool meta_aligned;
   bool own_vectorized;
   bool sum_vectorized;
@@ -413,7 +446,11 @@ __global__ void __launch_bounds__(kThreads)
   // [0, num_peers): such an index matches no peer and every peer's packet is decoded.
   // The Python wrappers always pass a valid index.
   const int64_t own_peer = own ? static_cast<int64_t>(*a.own_index) : -1;
-  if (own_peer >= 0 && own_peer < a.num_peers) own += own_peer * a.own_row_stride;
+  int64_t own_count = a.own_count;  // values from `own` on, once it points at the own row
+  if (own_peer >= 0 && own_peer < a.num_peers) {
+    own += own_peer * a.own_row_stride;
+    own_count -= own_peer * a.own_row_stride;
+  }
   const int64_t nb = a.n / a.bucket_size;
   const int64_t cbytes = code_bytes_per_bucket(a.bits, a.bucket_size);
   const bool staged = a.bucket_size <= a.tile;
@@ -426,7 +463,11 @@ __global__ void __launch_bounds__(kThreads)
       for (int64_t peer = 0; peer < a.num_peers; ++peer) {
         float v[8];
         if (peer == own_peer) {
-          load8<Tag>(own, e, a.own_vectorized, v);
+          if (e + 8 <= own_count) {
+            load8<Tag>(own, e, a.own_vectorized, v);
+          } else {  // the end of a short own row
+            load8_clamped<Tag>(own, e, own_count, v);
+          }
         } else {
           const uint8_t* packet = a.peers + peer * a.row_bytes;
           float mn, unit;
@@ -454,7 +495,13 @@ __global__ void __launch_bounds__(kThreads)
         const int64_t e = bucket * a.bucket_size + t0 + 8 * g;
         float acc[8];
         sum_group(e, acc);
-        if (a.sum_out) store8<F32>(a.sum_out, e, a.sum_vectorized, acc);
+        if (a.sum_out) {
+          if (e + 8 <= a.sum_count) {
+            store8<F32>(a.sum_out, e, a.sum_vectorized, acc);
+          } else {  // a short sum
+            store8_clamped<F32>(a.sum_out, e, a.sum_count, acc);
+          }
+        }
         if (a.packet_out) {
 #pragma unroll
           for (int k = 0; k < 8; ++k) {
@@ -568,11 +615,11 @@ ffi::Error launch_status(const char* kernel) {
 
 ffi::Error Quantize(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> seed,
                     ffi::Buffer<ffi::S32> skip_row, ffi::ResultBuffer<ffi::U8> packets,
-                    int64_t bits, int64_t bucket_size, bool stochastic) {
-  int64_t rows = 0, n = 0;
-  if (auto e = check_quantize_args(bits, bucket_size, x.dimensions(), seed.element_count(),
-                                   skip_row.element_count(), packets->element_count(), &rows,
-                                   &n);
+                    int64_t bits, int64_t bucket_size, bool stochastic, int64_t n) {
+  int64_t rows = 0;
+  if (auto e = check_quantize_args(bits, bucket_size, n, x.element_count(),
+                                   seed.element_count(), skip_row.element_count(),
+                                   packets->dimensions(), &rows);
       e.failure())
     return e;
   if (rows * n == 0) return ffi::Error::Success();
@@ -585,7 +632,8 @@ ffi::Error Quantize(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::U32>
     using Tag = decltype(tag);
     with_team(team, [&](auto team_size) {
       quantize_kernel<Tag, decltype(team_size)::value><<<blocks, kThreads, 0, stream>>>(
-          static_cast<const typename Tag::storage*>(data), rows, n, static_cast<int>(bits),
+          static_cast<const typename Tag::storage*>(data), x.element_count(), rows, n,
+          static_cast<int>(bits),
           bucket_size, stochastic, seed.typed_data(), skip_row.typed_data(),
           packets->typed_data(), aligned_to(data, 16));
     });
@@ -596,10 +644,10 @@ ffi::Error Quantize(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::U32>
 
 ffi::Error Dequantize(cudaStream_t stream, ffi::Buffer<ffi::U8> packets,
                       ffi::Result<ffi::AnyBuffer> x, int64_t bits, int64_t bucket_size,
-                      int64_t offset) {
-  int64_t rows = 0, n = 0, row_bytes = 0;
-  if (auto e = check_dequantize_args(bits, bucket_size, offset, x->dimensions(),
-                                     packets.dimensions(), &rows, &n, &row_bytes);
+                      int64_t offset, int64_t n) {
+  int64_t rows = 0, row_bytes = 0;
+  if (auto e = check_dequantize_args(bits, bucket_size, n, offset, x->element_count(),
+                                     packets.dimensions(), &rows, &row_bytes);
       e.failure())
     return e;
   if (rows * n == 0) return ffi::Error::Success();
@@ -615,7 +663,8 @@ ffi::Error Dequantize(cudaStream_t stream, ffi::Buffer<ffi::U8> packets,
     with_team(team, [&](auto team_size) {
       dequantize_kernel<Tag, decltype(team_size)::value><<<blocks, kThreads, 0, stream>>>(
           in, row_bytes, rows, n, static_cast<int>(bits), bucket_size,
-          static_cast<typename Tag::storage*>(data), meta_aligned, aligned_to(data, 16));
+          static_cast<typename Tag::storage*>(data), x->element_count(), meta_aligned,
+          aligned_to(data, 16));
     });
   });
   if (!supported) return unsupported_dtype("output");
@@ -658,7 +707,8 @@ ffi::Error ReduceRequantize(cudaStream_t stream, ffi::Buffer<ffi::U8> peers, ffi
                         num_peers,
                         n,
                         own_index.typed_data(),
-                        num_peers > 1 && own.element_count() == num_peers * n ? n : 0,
+                        own.element_count() > n ? n : 0,
+                        own.element_count(),
                         seed.typed_data(),
                         static_cast<int>(bits),
                         bucket_size,
@@ -666,6 +716,7 @@ ffi::Error ReduceRequantize(cudaStream_t stream, ffi::Buffer<ffi::U8> peers, ffi
                         tile,
                         packet->element_count() ? packet->typed_data() : nullptr,
                         sum_out,
+                        sum->element_count(),
                         aligned_to(peer_packets, 8) && (num_peers <= 1 || row_bytes % 8 == 0),
                         aligned_to(own_data, 16),
                         aligned_to(sum_out, 16)};
