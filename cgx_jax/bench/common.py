@@ -1,5 +1,5 @@
-"""What the benchmarks share: element counts written with suffixes, and running one link
-rate after another with a clean stop (docs/design.md section 9)."""
+"""What the benchmarks share: element counts written with suffixes, timing a call, and running
+one link rate after another with a clean stop (docs/design.md section 9)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,10 @@ import argparse
 import re
 import shutil
 import signal
+import statistics
 import sys
 import tempfile
+import time
 
 _SUFFIXES = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
@@ -32,6 +34,30 @@ def size_label(size: int) -> str:
         if size % _SUFFIXES[suffix] == 0:
             return f"{size // _SUFFIXES[suffix]}{suffix}"
     return str(size)
+
+
+def median_seconds(fn, repeats: int, calls: int = 1, warmup: int = 3) -> float:
+    """Median seconds per call of ``fn()`` over ``repeats`` runs after ``warmup`` calls (the
+    first calls also pay for compiling and for first-touching XLA's output buffers). A run
+    dispatches ``calls`` calls back to back and waits once: on a GPU, where dispatch is
+    asynchronous, the host's dispatch then overlaps the device's work instead of adding to it.
+
+    Example:
+        >>> median_seconds(lambda: None, repeats=3) >= 0
+        True
+    """
+    import jax
+
+    for _ in range(warmup):
+        jax.block_until_ready(fn())
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            out = fn()
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - start) / calls)
+    return statistics.median(times)
 
 
 def add_report_arguments(p: argparse.ArgumentParser, plot: str) -> None:

@@ -12,44 +12,25 @@ import argparse
 import json
 import os
 import platform
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from cgx_jax.backends import ffi
-from cgx_jax.bench.common import parse_size
+from cgx_jax.bench.common import median_seconds, parse_size
 from cgx_jax.memory import keep_freed_memory_on_cpu
 from cgx_jax.codec import Codec, packet_bytes
-
-
-def _time(fn, repeats: int, calls: int = 1) -> float:
-    """Median seconds per call of fn() over `repeats` runs after three warm-up calls (the
-    first calls also pay for compiling and for first-touching XLA's output buffers). A run
-    dispatches `calls` calls back to back and waits once: on a GPU, where dispatch is
-    asynchronous, the host's dispatch then overlaps the kernels instead of adding to them."""
-    for _ in range(3):
-        jax.block_until_ready(fn())
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(calls):
-            out = fn()
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - start) / calls)
-    return statistics.median(times)
 
 
 def _copy_seconds(x, repeats: int, calls: int) -> float:
     if x.devices().pop().platform == "cpu":
         host = np.asarray(x)
         dst = np.empty_like(host)
-        return _time(lambda: np.copyto(dst, host), repeats)
+        return median_seconds(lambda: np.copyto(dst, host), repeats)
     # Negation reads and writes every byte once, like a copy XLA cannot elide.
     copy = jax.jit(jnp.negative)
-    return _time(lambda: copy(x), repeats, calls)
+    return median_seconds(lambda: copy(x), repeats, calls)
 
 
 def kernel_rows(sizes, bits_list, peers: int, repeats: int, device,
@@ -80,7 +61,7 @@ def kernel_rows(sizes, bits_list, peers: int, repeats: int, device,
                 ("dequantize", lambda: dequantize(packets)),
                 (f"reduce_requantize N={peers}", lambda: reduce(peer_packets, own)),
             ):
-                seconds = _time(fn, repeats, calls)
+                seconds = median_seconds(fn, repeats, calls)
                 rows.append(dict(kernel=name, elements=size, bits=bits, rounding=rounding,
                                  seconds=seconds, gb_per_s=gbytes / seconds,
                                  vs_copy=copy_s / seconds))

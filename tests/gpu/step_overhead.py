@@ -22,10 +22,11 @@ import argparse
 import importlib.util
 import json
 import os
-import statistics
 import sys
 import time
 import types
+
+from cgx_jax.bench.common import median_seconds
 
 
 def load_example(name):
@@ -36,23 +37,6 @@ def load_example(name):
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
-
-
-def median_seconds(call, calls: int, repeats: int) -> float:
-    """Median over `repeats` of (time of `calls` back-to-back calls) / calls; `call()` returns
-    something to wait for."""
-    import jax
-
-    for _ in range(2):
-        jax.block_until_ready(call())
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(calls):
-            out = call()
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - start) / calls)
-    return statistics.median(times)
 
 
 def psum_rows(device, tree, label, calls, repeats, **how):
@@ -82,7 +66,7 @@ def psum_rows(device, tree, label, calls, repeats, **how):
                     lambda t, reduce=reduce: jax.tree.map(
                         lambda v: v[None], reduce(jax.tree.map(lambda v: v[0], t))),
                     mesh=mesh, in_specs=P("d"), out_specs=P("d")))
-            seconds = median_seconds(lambda: fn(stacked), calls, repeats)
+            seconds = median_seconds(lambda: fn(stacked), repeats, calls, warmup=2)
             rows.append(dict(what=f"{name} ({style})", input=label, values=values,
                              ms=seconds * 1e3, gb_per_s=values * 4 / seconds / 1e9))
     return rows
@@ -128,7 +112,7 @@ def vit_step_rows(device, args):
         start = time.perf_counter()
         jax.block_until_ready(call())
         compile_s = time.perf_counter() - start
-        seconds = median_seconds(call, args.calls, args.repeats)
+        seconds = median_seconds(call, args.repeats, args.calls, warmup=2)
         rows.append(dict(what=f"ViT step, {mode}", params=n_params, batch=args.batch,
                          ms=seconds * 1e3, images_per_s=args.batch / seconds,
                          compile_and_first_step_s=compile_s))
