@@ -60,7 +60,12 @@ def phase_seeds(key, group_number: int, participant, segments: int, phases: int)
     if key is None:
         return jnp.zeros((segments, phases, 2), jnp.uint32)
     key = jax.random.fold_in(jax.random.fold_in(key, group_number), participant)
-    return jnp.stack([
-        jnp.stack([seed_bits(jax.random.fold_in(jax.random.fold_in(key, segment), phase))
-                   for phase in range(phases)])
-        for segment in range(segments)])
+
+    def seed(segment, phase):
+        return seed_bits(jax.random.fold_in(jax.random.fold_in(key, segment), phase))
+
+    # One batched hash per level instead of one per segment and phase: the same bits, but a
+    # model's 50 segments no longer unroll into hundreds of hashes (on the CPU, a ViT-S
+    # gradient tree compiled in 6.8 s that way, 0.5 s with nearest rounding).
+    return jax.vmap(lambda s: jax.vmap(lambda p: seed(s, p))(jnp.arange(phases)))(
+        jnp.arange(segments))
