@@ -127,7 +127,6 @@ def reduce_requantize(peers, own, own_index, seed, codec: Codec, n: int, *,
         rows = _full_rows(own, n)
         own = rows[0] if own.size <= n else jax.lax.dynamic_index_in_dim(
             rows, own_index, axis=0, keepdims=False)
-    if own is not None:
         is_own = jnp.arange(num_peers)[:, None] == own_index
         decoded = jnp.where(is_own, own.astype(jnp.float32)[None, :], decoded)
     total = jnp.zeros((n,), jnp.float32)

@@ -19,7 +19,6 @@ dispatch is asynchronous, so the host's dispatch overlaps the device's work), th
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import sys
@@ -28,15 +27,8 @@ import types
 
 from cgx_jax.bench.common import median_seconds
 
-
-def load_example(name):
-    path = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "examples", "vit",
-                        f"{name}.py")
-    spec = importlib.util.spec_from_file_location(f"vit_example_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+EXAMPLE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, os.pardir,
+                           "examples", "vit")
 
 
 def psum_rows(device, tree, label, calls, repeats, **how):
@@ -81,7 +73,8 @@ def vit_step_rows(device, args):
 
     import cgx_jax as cgx
 
-    train = load_example("train")
+    sys.path.insert(0, EXAMPLE_DIR)
+    import train  # the example's model, optimizer and shard_map step
     model = train.ViT(image_size=args.image, channels=3, num_classes=1000, patch=args.patch,
                       dim=args.dim, depth=args.depth, heads=args.heads, mlp_ratio=4.0,
                       rngs=nnx.Rngs(0))
