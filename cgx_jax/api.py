@@ -185,11 +185,12 @@ def reduce_tree(x, axis_name, *, codec=None, policy=None, key=None, algorithm="a
     exact = [i for i in exact if leaves[i].size]
     if exact:
         reduce_exact = lax.pmean if mean else lax.psum
-        for i, value in zip(exact, reduce_exact([leaves[i] for i in exact], all_axes)):
+        for i, value in zip(exact, fusion.reduce_exact(reduce_exact, [leaves[i] for i in exact],
+                                                       all_axes)):
             out[i] = value
     for group_number, (group_codec, members) in enumerate(groups.items()):
         plan = Plan(axis_name, group_codec, algorithm, backend, num_participants, local_error,
-                    inner_axis_name)
+                    inner_axis_name, divisor=num_participants * inner_size if mean else 1)
         multiple = inner_size * padding_multiple(algorithm, group_codec, num_participants)
         segments = [[members[j] for j in segment] for segment in fusion.split_segments(
             [leaves[i].size for i in members], multiple, plan.segment_rows)]
@@ -200,8 +201,6 @@ def reduce_tree(x, axis_name, *, codec=None, policy=None, key=None, algorithm="a
                               for segment in segments])
         totals, seg_errors = allreduce_segments(list(bufs), seeds, plan, lengths)
         for segment, total, error in zip(segments, totals, seg_errors):
-            if mean:
-                total = total / jnp.float32(num_participants * inner_size)
             shapes = [leaves[i].shape for i in segment]
             for i, value in zip(segment, fusion.unpack(total, shapes, group_codec.bucket_size)):
                 out[i] = value.astype(leaves[i].dtype)

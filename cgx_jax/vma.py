@@ -27,7 +27,7 @@ from jax import lax
 from cgx_jax.collectives import axis_tuple
 
 
-def _varying(value) -> frozenset:
+def varying_axes(value) -> frozenset:
     """The mesh axes ``value`` is typed varying over (empty where JAX does not say)."""
     aval = jax.typeof(value)
     manual = getattr(aval, "manual_axis_type", None)  # jax >= 0.10
@@ -39,7 +39,7 @@ def _varying(value) -> frozenset:
 def vma_checked(axis_name) -> bool:
     """Whether the enclosing ``shard_map`` checks varying axes for ``axis_name``: only then is
     ``lax.axis_index`` typed varying (under ``pmap`` and ``check_vma=False`` it is not)."""
-    return bool(_varying(lax.axis_index(axis_name)))
+    return bool(varying_axes(lax.axis_index(axis_name)))
 
 
 def check_local(tree, axis_name, paths, what: str = "the compressed all-reduce") -> None:
@@ -50,7 +50,7 @@ def check_local(tree, axis_name, paths, what: str = "the compressed all-reduce")
     if not vma_checked(axes):
         return
     for path, leaf in zip(paths, jax.tree_util.tree_leaves(tree)):
-        missing = tuple(a for a in axes if a not in _varying(leaf))
+        missing = tuple(a for a in axes if a not in varying_axes(leaf))
         if missing:
             leaf_name = f"leaf {path!r}" if path else "an array"
             raise ValueError(
@@ -64,8 +64,8 @@ def check_local(tree, axis_name, paths, what: str = "the compressed all-reduce")
                 f"jax.grad) and reduce those; see the README's 'Use' section.")
 
 
-def _cast_to_varying(x, axes):
-    missing = tuple(a for a in axes if a not in _varying(x))
+def _cast_tovarying_axes(x, axes):
+    missing = tuple(a for a in axes if a not in varying_axes(x))
     if not missing:
         return x
     if hasattr(lax, "pcast"):  # jax >= 0.9
@@ -80,7 +80,7 @@ def to_local(tree, axis_name):
     axes = axis_tuple(axis_name)
     if not vma_checked(axes):
         return tree
-    return jax.tree.map(lambda x: _cast_to_varying(x, axes), tree)
+    return jax.tree.map(lambda x: _cast_tovarying_axes(x, axes), tree)
 
 
 def _is_nnx_module(value) -> bool:

@@ -81,14 +81,26 @@ def test_empty_leaves_skip_the_collective():
     np.testing.assert_array_equal(np.asarray(out["w"]), 8.0)
 
 
-def test_pmean_is_psum_divided_by_participants():
-    codec = cgx.Codec(bits=8, bucket_size=64, rounding="nearest")
-    inputs = jax.random.normal(jax.random.key(5), (6, 500))
-    tree = {"x": inputs, "n": jnp.full((6, 2), 3.0)}
-    total = run_sharded(lambda t: cgx.compressed_psum(t, "batch", codec=codec), tree, 6)
-    mean = run_sharded(lambda t: cgx.compressed_pmean(t, "batch", codec=codec), tree, 6)
-    np.testing.assert_allclose(np.asarray(mean["x"]), np.asarray(total["x"]) / 6, rtol=1e-6)
-    np.testing.assert_array_equal(np.asarray(mean["n"]), np.full((6, 2), 3.0))
+@pytest.mark.parametrize("algorithm,num_devices", [("sra", 6), ("allgather", 3), ("ring", 5),
+                                                   ("sra", 4)])
+def test_pmean_is_psum_divided_by_participants(algorithm, num_devices):
+    """The kernel that writes the sum scales it by 1 / N rounded to f32 (XLA:CPU's x / N), so
+    the mean has the bits of the sum divided in XLA, for f32 and narrowed bf16 leaves."""
+    codec = cgx.Codec(bits=8, bucket_size=64, rounding="stochastic")
+    inputs = jax.random.normal(jax.random.key(5), (num_devices, 5000)) * 100
+    tree = {"x": inputs, "n": jnp.full((num_devices, 2), 3.0), "b": inputs.astype(jnp.bfloat16)}
+    reduce = lambda f: run_sharded(lambda t: f(t, "batch", codec=codec, algorithm=algorithm,
+                                               key=jax.random.key(1)), tree, num_devices)
+    total, mean = reduce(cgx.compressed_psum), reduce(cgx.compressed_pmean)
+    scale = np.float32(1) / np.float32(num_devices)
+    np.testing.assert_array_equal(np.asarray(mean["x"]), np.asarray(total["x"]) * scale)
+    assert mean["b"].dtype == jnp.bfloat16
+    # bf16: the f32 sum is scaled, then narrowed once (not narrowed, scaled and narrowed).
+    f32_sum = reduce(lambda t, *a, **k: cgx.compressed_psum(
+        {**t, "b": t["b"].astype(jnp.float32)}, *a, **k))["b"]
+    np.testing.assert_array_equal(np.asarray(mean["b"]),
+                                  (np.asarray(f32_sum) * scale).astype(jnp.bfloat16))
+    np.testing.assert_array_equal(np.asarray(mean["n"]), np.full((num_devices, 2), 3.0))
 
 
 def test_tuple_of_mesh_axes_is_one_group():

@@ -324,7 +324,8 @@ def test_packet_windows_match_cpu(offset_kind):
 def test_short_last_rows_match_cpu(dtype):
     """Buffers whose last row is short (a leaf travelling in place, fusion.py): x, own and the
     sum of reduce_requantize, and dequantize's output; every bucket kind, team size and a cut
-    inside a group of 8, at a bucket edge and one value into the last row."""
+    inside a group of 8, at a bucket edge and one value into the last row. Some outputs are
+    scaled for a mean (``divisor``)."""
     rng = np.random.default_rng(DTYPES.index(dtype) + 40)
     cases, inputs = [], []
     for bits, bucket_size in ((3, 8), (4, 64), (5, 1024), (2, 16384)):
@@ -341,10 +342,11 @@ def test_short_last_rows_match_cpu(dtype):
         outs = []
         for (codec, n, size), (x, peers, seed) in zip(cases, inputs):
             packets = ffi.quantize_rows(x, seed, codec, skip_row=1, n=n)
-            decoded = ffi.dequantize_rows(packets, codec, n, x.dtype, size=size)
+            decoded = [ffi.dequantize_rows(packets, codec, n, x.dtype, size=size,
+                                           divisor=divisor) for divisor in (1, 3)]
             reduced = [ffi.reduce_requantize(peers, x, np.int32(i), seed, codec, n,
-                                             emit_sum=True, sum_size=size - 2 * n)
-                       for i in (0, 2)]
+                                             emit_sum=True, sum_size=size - 2 * n, divisor=d)
+                       for i, d in ((0, 1), (2, 7))]
             outs.append((packets, decoded, reduced))
         return outs
 

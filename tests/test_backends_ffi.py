@@ -258,6 +258,36 @@ def test_short_last_row_reads_as_padding_and_writes_only_its_values(backend, dty
             assert_same_floats(total, want_sum[:size - 3 * n], f"short sum, {what}")
 
 
+@pytest.mark.parametrize("backend,dtype", [(ffi, F32), (ffi, BF16), (ffi, F16), (pure_jax, F32),
+                                           (pure_jax, BF16)],
+                         ids=["ffi-f32", "ffi-bf16", "ffi-f16", "jax-f32", "jax-bf16"])
+def test_divisor_divides_decoded_values_before_narrowing(backend, dtype):
+    # compressed_pmean divides in the kernel that writes the result: each value is
+    # multiplied by 1 / divisor rounded to f32 (XLA:CPU's x / divisor), then narrowed to the
+    # output dtype; the reduction's packet still encodes the undivided sum.
+    codec = codec_of(4, 64, "stochastic")
+    rng = np.random.default_rng(12)
+    rows, n = 3, 640
+    x = with_specials(realistic(rng, rows, n, 64), 64, F32, rng)
+    packets = model.quantize_rows(x, [1, 2], 4, 64, True)
+    decoded = model.dequantize_rows(packets, 4, 64, n)
+    own = realistic(rng, 1, n, 64)[0]
+    seed = np.array([3, 4], np.uint32)
+    want_packet, want_sum = model.reduce_requantize(packets, own, 1, seed, 4, 64, True, n)
+    for divisor in (1, 3, 6, 7, 2**24):
+        got = jax.jit(functools.partial(backend.dequantize_rows, codec=codec, n=n, dtype=dtype,
+                                        divisor=divisor))(on_cpu(packets))
+        scale = np.float32(1) / np.float32(divisor)
+        with np.errstate(over="ignore"):  # f16 narrows huge values to inf, as the kernel does
+            want = (decoded * scale).astype(dtype)
+        assert_same_floats(got, want, f"dequantize / {divisor}")
+        packet, total = jax.jit(functools.partial(
+            backend.reduce_requantize, codec=codec, n=n, emit_sum=True, divisor=divisor))(
+            on_cpu(packets), on_cpu(own), np.int32(1), seed)
+        assert_bytes_equal(packet, want_packet, f"reduce packet, divisor {divisor}")
+        assert_same_floats(total, want_sum * scale, f"reduce sum / {divisor}")
+
+
 @pytest.mark.parametrize("own", [False, True])
 def test_reduce_requantize_matches_model_on_large_chunk(own):
     """3 peers x 2^18 values: enough work for the thread-pool split."""
@@ -517,17 +547,17 @@ def _quantize_call(x=X16, seed=SEED, out=(1, P16), skip_row=np.int32(-1), n=16, 
 
 
 def _dequantize_call(packets=np.zeros((1, P16), np.uint8), out=(1, 16), dtype=jnp.float32,
-                     offset=0, n=16, **attrs):
+                     offset=0, n=16, divisor=1, **attrs):
     return _call("cgx_dequantize", _sds(out, dtype), packets, offset=np.int64(offset),
-                 n=np.int64(n), **attrs)
+                 n=np.int64(n), divisor=np.int64(divisor), **attrs)
 
 
 def _reduce_call(peers=PEERS, own=OWN, own_index=0, seed=SEED, n=16, packet=P16, total=16,
-                 offset=0, **attrs):
+                 offset=0, divisor=1, **attrs):
     attrs.setdefault("stochastic", False)
     outs = (_sds((packet,), jnp.uint8), _sds((total,), jnp.float32))
     return _call("cgx_reduce_requantize", outs, peers, own, np.array(own_index, np.int32), seed,
-                 n=np.int64(n), offset=np.int64(offset), **attrs)
+                 n=np.int64(n), offset=np.int64(offset), divisor=np.int64(divisor), **attrs)
 
 
 FFI_ERROR_CASES = {
@@ -569,7 +599,12 @@ FFI_ERROR_CASES = {
                                   "n length 12 .*bucket_size"),
     "dequantize bits=9": (lambda: _dequantize_call(bits=9), "bits must be"),
     "dequantize int32 output": (lambda: _dequantize_call(dtype=jnp.int32), "output must be"),
+    "dequantize divisor=0": (lambda: _dequantize_call(divisor=0),
+                             r"divisor must be in \[1, 16777216\], got 0"),
+    "dequantize divisor=2^24+1": (lambda: _dequantize_call(divisor=2**24 + 1),
+                                  "divisor must be in .*got 16777217"),
     "reduce bits=9": (lambda: _reduce_call(bits=9), "bits must be"),
+    "reduce divisor=-3": (lambda: _reduce_call(divisor=-3), "divisor must be in .*got -3"),
     "reduce bucket_size=12": (lambda: _reduce_call(bucket_size=12), "bucket_size must be"),
     "reduce n not multiple": (lambda: _reduce_call(n=12), "n length 12 .*bucket_size"),
     "reduce peers row": (lambda: _reduce_call(peers=np.zeros((3, P16 - 8), np.uint8)),
@@ -611,3 +646,6 @@ def test_ffi_handlers_accept_the_consistent_calls():
     assert np.asarray(_dequantize_call(np.zeros((2, P16), np.uint8), out=(17,))).shape == (17,)
     packet, total = _reduce_call(own=np.ones(33, np.float32), own_index=2, total=5)
     np.testing.assert_array_equal(np.asarray(total), np.ones(5, np.float32))
+    # The largest divisor.
+    _, total = _reduce_call(own_index=2, divisor=2**24)
+    np.testing.assert_array_equal(np.asarray(total), OWN * np.float32(2.0**-24))

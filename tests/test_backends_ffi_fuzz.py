@@ -76,24 +76,26 @@ def test_quantize_matches_model_or_fails(codec, rows, buckets, length_delta, pac
 @SETTINGS
 @given(codec=codecs, rows=st.integers(1, 3), buckets=st.integers(1, 4),
        packet_delta=st.sampled_from([0, 0, 1, -1, 8]), offset=st.sampled_from([0, 0, 1, 8, -1]),
-       data=st.data())
+       divisor=st.sampled_from([1, 1, 3, 4, 0, 2**24 + 1]), data=st.data())
 def test_dequantize_of_arbitrary_bytes_matches_model_or_fails(codec, rows, buckets,
-                                                              packet_delta, offset, data):
+                                                              packet_delta, offset, divisor,
+                                                              data):
     """Row r's packet is read at byte ``offset`` of rows ``packet_delta`` bytes longer than
-    one packet."""
+    one packet; the values come out times 1 / ``divisor`` (in [1, 2^24], else an error)."""
     bits, bucket_size, _ = codec
     n = buckets * bucket_size
     pbytes = model.packet_bytes(n, bits, bucket_size) + packet_delta
     packets = np.frombuffer(data.draw(st.binary(min_size=rows * pbytes, max_size=rows * pbytes)),
                             np.uint8).reshape(rows, pbytes)
     run = lambda: call("cgx_dequantize", sds((rows, n), jnp.float32), packets, bits=bits,
-                       bucket_size=bucket_size, offset=offset, n=n)
-    if not 0 <= offset <= packet_delta:  # the rows cannot hold a packet at that offset
+                       bucket_size=bucket_size, offset=offset, n=n, divisor=divisor)
+    # The rows cannot hold a packet at that offset, or the divisor is out of range.
+    if not 0 <= offset <= packet_delta or not 1 <= divisor <= 2**24:
         assert raises(run)
         return
     got = np.asarray(run())
     want = model.dequantize_rows(packets[:, offset:offset + pbytes - packet_delta], bits,
-                                 bucket_size, n)
+                                 bucket_size, n) * (np.float32(1) / np.float32(divisor))
     np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
     np.testing.assert_array_equal(got[~np.isnan(got)], want[~np.isnan(want)])
 
@@ -102,12 +104,15 @@ def test_dequantize_of_arbitrary_bytes_matches_model_or_fails(codec, rows, bucke
 @given(codec=codecs, peers=st.integers(1, 4), buckets=st.integers(1, 3),
        own_index=st.integers(-2, 5), own=st.sampled_from([None, "chunk", "rows", "short rows"]),
        packet_delta=st.sampled_from([0, 0, 1]), sum_delta=st.sampled_from([0, 0, -8, 8]),
-       before=st.sampled_from([0, 0, 3, 8]), after=st.sampled_from([0, 5]), data=st.data())
+       before=st.sampled_from([0, 0, 3, 8]), after=st.sampled_from([0, 5]),
+       divisor=st.sampled_from([1, 1, 3, 0]), data=st.data())
 def test_reduce_requantize_matches_model_or_fails(codec, peers, buckets, own_index, own,
-                                                  packet_delta, sum_delta, before, after, data):
+                                                  packet_delta, sum_delta, before, after,
+                                                  divisor, data):
     """The peers' packets sit at byte ``before`` of rows with ``after`` more bytes (junk);
     ``own`` is absent, one chunk, or all rows (the last 3 values short); the sum may be
-    8 values short (or 8 too long: an error)."""
+    8 values short (or 8 too long: an error) and comes out times 1 / ``divisor`` (the
+    packet encodes the sum itself)."""
     bits, bucket_size, stochastic = codec
     n = buckets * bucket_size
     pbytes = model.packet_bytes(n, bits, bucket_size)
@@ -131,9 +136,10 @@ def test_reduce_requantize_matches_model_or_fails(codec, peers, buckets, own_ind
     outs = (sds((pbytes + packet_delta,), jnp.uint8), sds((n + sum_delta,), jnp.float32))
     run = lambda: call("cgx_reduce_requantize", outs, rows, own_values, np.int32(own_index),
                        seed, bits=bits, bucket_size=bucket_size, stochastic=stochastic, n=n,
-                       offset=before)
+                       offset=before, divisor=divisor)
     # A sum 8 short is a short sum; an empty one means "not wanted" (n = 8, sum_delta = -8).
-    if packet_delta or sum_delta > 0 or (with_own and not 0 <= own_index < peers):
+    if (packet_delta or sum_delta > 0 or (with_own and not 0 <= own_index < peers)
+            or divisor < 1):
         assert raises(run)
         return
     packet, total = (np.asarray(a) for a in run())
@@ -141,7 +147,8 @@ def test_reduce_requantize_matches_model_or_fails(codec, peers, buckets, own_ind
         packets, own_chunk, own_index, seed, bits, bucket_size, stochastic, n)
     np.testing.assert_array_equal(packet, want_packet)
     # An empty sum output asks for the packet alone.
-    np.testing.assert_array_equal(total, want_total[:total.size])
+    scale = np.float32(1) / np.float32(divisor)
+    np.testing.assert_array_equal(total, (want_total * scale)[:total.size])
     assert total.size in (0, n + sum_delta)
 
 
@@ -155,7 +162,7 @@ def test_reduce_requantize_with_an_empty_sum_output_returns_the_packet_alone():
     outs = (sds((model.packet_bytes(8, 4, 8),), jnp.uint8), sds((0,), jnp.float32))
     packet, total = call("cgx_reduce_requantize", outs, packets, np.zeros((0,), np.float32),
                          np.int32(0), seed, bits=4, bucket_size=8, stochastic=True, n=8,
-                         offset=0)
+                         offset=0, divisor=1)
     want, _ = model.reduce_requantize(packets, None, 0, seed, 4, 8, True, 8)
     np.testing.assert_array_equal(np.asarray(packet), want)
     assert np.asarray(total).shape == (0,)

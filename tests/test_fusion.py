@@ -16,8 +16,9 @@ import pytest
 import cgx_jax as cgx
 import numpy_model as model
 from cgx_jax.api import reduce_tree
+from cgx_jax import fusion
 from cgx_jax.fusion import OWN_SEGMENT_MIN_VALUES, fits_short_row, split_segments
-from helpers import run_sharded
+from helpers import cpu_mesh, run_sharded
 
 CODEC = cgx.Codec(bits=3, bucket_size=64, rounding="nearest")
 POLICY = cgx.LayerPolicy(default=CODEC, min_size=0)
@@ -151,7 +152,8 @@ def test_ring_and_hierarchical_keep_one_buffer():
                                   np.asarray(flat[0])[start:start + LARGE].reshape(512, -1))
 
 
-def test_grad_through_segments_is_a_psum():
+@pytest.mark.parametrize("mean", [False, True])
+def test_grad_through_segments_is_a_psum(mean):
     stacked = {name: jnp.asarray(v.astype(np.float32)) for name, v in model_tree(4).items()}
 
     def grads(reduce):
@@ -160,8 +162,74 @@ def test_grad_through_segments_is_a_psum():
             return sum(jnp.sum(v * (i + 1)) for i, v in enumerate(jax.tree.leaves(out)))
         return run_sharded(jax.grad(loss), stacked, 4)
 
-    got = grads(lambda t: cgx.compressed_psum(t, "batch", policy=POLICY))
-    want = grads(lambda t: jax.lax.psum(t, "batch"))
+    if mean:  # the kernels scale the sum; the tangent is the exact pmean's
+        got = grads(lambda t: cgx.compressed_pmean(t, "batch", policy=POLICY))
+        want = grads(lambda t: jax.lax.pmean(t, "batch"))
+    else:
+        got = grads(lambda t: cgx.compressed_psum(t, "batch", policy=POLICY))
+        want = grads(lambda t: jax.lax.psum(t, "batch"))
     for name in stacked:
         assert got[name].shape == want[name].shape
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+
+# ---------------------------------------------------------------------------
+# Exact leaves: small ones share one buffer per dtype (fusion.reduce_exact)
+# ---------------------------------------------------------------------------
+
+def exact_tree(num_devices, rng):
+    """Leaves the default policy keeps exact, of three dtypes and one above the fusing limit."""
+    def draw(shape, dtype):
+        values = rng.standard_normal((num_devices, *shape)) * 10 ** rng.uniform(-3, 3)
+        return jnp.asarray(values.astype(dtype) if dtype != np.int32
+                           else rng.integers(-1000, 1000, (num_devices, *shape), np.int32))
+    return {"norm": {"scale": draw((384,), np.float32), "bias": draw((384,), np.float32)},
+            "head_bias": draw((10,), np.float32), "scalar": draw((), np.float32),
+            "embed_bias": draw((3, 7), ml_dtypes.bfloat16), "ln_bf16": draw((64,), ml_dtypes.bfloat16),
+            "step": draw((), np.int32), "counts": draw((5,), np.int32),
+            "big_exact": draw((fusion.EXACT_FUSE_MAX_VALUES,), np.float32)}
+
+
+@pytest.mark.parametrize("mean", [False, True])
+def test_exact_leaves_fused_match_psum_bitwise(mean):
+    tree = exact_tree(4, np.random.default_rng(7))
+    reduce = cgx.compressed_pmean if mean else cgx.compressed_psum
+    got = run_sharded(lambda t: reduce(t, "batch"), tree, 4)  # default policy: all exact
+    want = run_sharded(lambda t: jax.tree.map(
+        lambda v: (jax.lax.pmean if mean else jax.lax.psum)(v, "batch"), t), tree, 4)
+    for path, value in jax.tree_util.tree_leaves_with_path(want):
+        leaf = got
+        for key in path:
+            leaf = leaf[key.key]
+        assert leaf.dtype == value.dtype and leaf.shape == value.shape, path
+        np.testing.assert_array_equal(np.asarray(leaf), np.asarray(value), err_msg=str(path))
+
+
+def test_exact_leaves_travel_as_one_operand_per_dtype():
+    """The exact all-reduce gets one operand per dtype plus one per leaf above the limit,
+    not one per leaf (XLA:CPU runs each operand as its own collective)."""
+    tree = jax.tree.map(lambda v: v[0], exact_tree(1, np.random.default_rng(0)))
+    mesh = cpu_mesh(4)
+    f = jax.jit(jax.shard_map(lambda t: cgx.compressed_psum(t, "batch"), mesh=mesh,
+                              in_specs=jax.sharding.PartitionSpec(),
+                              out_specs=jax.sharding.PartitionSpec(), check_vma=False))
+    # JAX lowers each operand as its own all_reduce: f32, bf16 and int32 buffers and the large
+    # f32 leaf alone, against 9 for the 9 leaves.
+    assert f.lower(tree).as_text().count("stablehlo.all_reduce") == 4
+
+
+def test_exact_fusion_keeps_each_leafs_varying_axes():
+    """Under shard_map with check_vma, a leaf varying over fewer mesh axes than another is not
+    fused with it, so its sum keeps its type (invariant over the axes it did not vary over)."""
+    mesh = cpu_mesh(4, ("batch", "model"), (2, 2))
+    P = jax.sharding.PartitionSpec
+
+    def step(a, b):
+        out = cgx.compressed_psum({"a": a[0], "b": b[0]}, "batch")
+        return out["a"][None], out["b"][None]
+
+    f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P("batch"), P(("batch", "model"))),
+                              out_specs=(P(), P("model"))))
+    a, b = f(jnp.arange(2 * 5.0).reshape(2, 5), jnp.arange(4 * 3.0).reshape(4, 3))
+    np.testing.assert_array_equal(a[0], [5.0, 7.0, 9.0, 11.0, 13.0])
+    np.testing.assert_array_equal(b[:, :], [[6.0, 8.0, 10.0], [12.0, 14.0, 16.0]])

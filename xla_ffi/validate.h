@@ -128,14 +128,30 @@ inline xla::ffi::Error check_packet_window(xla::ffi::Span<const int64_t> dims, c
   return xla::ffi::Error::Success();
 }
 
+// The divisor of decoded values (compressed_pmean divides by the participants in the kernel
+// that writes the result), exact in f32. The kernels multiply by its f32 reciprocal, as
+// XLA:CPU computes x / n, so a mean has the bits of `sum / n` there and on every platform.
+constexpr int64_t kMaxDivisor = int64_t{1} << 24;
+
+inline float reciprocal_of(int64_t divisor) { return 1.0f / static_cast<float>(divisor); }
+
+inline xla::ffi::Error check_divisor(int64_t divisor) {
+  if (divisor < 1 || divisor > kMaxDivisor)
+    return xla::ffi::Error::InvalidArgument("divisor must be in [1, " +
+                                            std::to_string(kMaxDivisor) + "], got " +
+                                            std::to_string(divisor));
+  return xla::ffi::Error::Success();
+}
+
 // dequantize: the packets [rows, P] at byte `offset` of packets [rows, W], output [rows, n]
 // (n a multiple of bucket_size; the output's shape does not matter, its last row may be
 // short).
 inline xla::ffi::Error check_dequantize_args(int64_t bits, int64_t bucket_size, int64_t n,
-                                             int64_t offset, int64_t out_count,
+                                             int64_t offset, int64_t divisor, int64_t out_count,
                                              xla::ffi::Span<const int64_t> packets_dims,
                                              int64_t* rows, int64_t* row_bytes) {
   if (auto e = check_codec(bits, bucket_size); e.failure()) return e;
+  if (auto e = check_divisor(divisor); e.failure()) return e;
   if (auto e = check_multiple(n, bucket_size, "n"); e.failure()) return e;
   const int64_t pbytes = packet_bytes(n, static_cast<int>(bits), bucket_size);
   if (auto e = check_packet_window(packets_dims, "packets", pbytes, offset, rows, row_bytes);
@@ -149,11 +165,12 @@ inline xla::ffi::Error check_dequantize_args(int64_t bits, int64_t bucket_size, 
 // of which row own_index is read, or empty), packet [P(n)] (or empty) and sum ([n], possibly
 // short, or empty).
 inline xla::ffi::Error check_reduce_requantize_args(
-    int64_t bits, int64_t bucket_size, int64_t n, int64_t offset,
+    int64_t bits, int64_t bucket_size, int64_t n, int64_t offset, int64_t divisor,
     xla::ffi::Span<const int64_t> peers_dims, int64_t seed_count, int64_t own_index_count,
     int64_t own_count, int64_t packet_count, int64_t sum_count, int64_t* num_peers,
     int64_t* row_bytes) {
   if (auto e = check_codec(bits, bucket_size); e.failure()) return e;
+  if (auto e = check_divisor(divisor); e.failure()) return e;
   if (auto e = check_multiple(n, bucket_size, "n"); e.failure()) return e;
   const int64_t pbytes = packet_bytes(n, static_cast<int>(bits), bucket_size);
   if (auto e = check_packet_window(peers_dims, "peers", pbytes, offset, num_peers, row_bytes);
@@ -202,7 +219,8 @@ auto dequantize_binding() {
       .template Attr<int64_t>("bits")
       .template Attr<int64_t>("bucket_size")
       .template Attr<int64_t>("offset")
-      .template Attr<int64_t>("n");
+      .template Attr<int64_t>("n")
+      .template Attr<int64_t>("divisor");  // x' = decoded * f32(1 / divisor) (1: as decoded)
 }
 
 template <typename Context>
@@ -219,7 +237,8 @@ auto reduce_requantize_binding() {
       .template Attr<int64_t>("bucket_size")
       .template Attr<bool>("stochastic")
       .template Attr<int64_t>("n")
-      .template Attr<int64_t>("offset");
+      .template Attr<int64_t>("offset")
+      .template Attr<int64_t>("divisor");  // sum *= f32(1 / divisor); the packet encodes the sum
 }
 
 }  // namespace cgx

@@ -103,28 +103,33 @@ def _rows_of(x, n):
 
 
 def dequantize_rows(packets: jax.Array, codec: Codec, n: int, dtype,
-                    offset: int = 0, size: int | None = None) -> jax.Array:
+                    offset: int = 0, size: int | None = None, divisor: int = 1) -> jax.Array:
     """Decodes packets of ``n`` values each -> ``[rows, n]`` of ``dtype``. Row ``r``'s packet
     is ``packets[r, offset:offset + P]`` of ``packets uint8 [rows, W]`` (a wire row carrying
     several segments' packets is read in place, not sliced into a copy). With ``size``, the
-    result is flat ``[size]``: the first ``size`` values (the last row short), no copy."""
+    result is flat ``[size]``: the first ``size`` values (the last row short), no copy.
+    ``divisor`` (an int in ``[1, 2^24]``): each value is multiplied by ``1 / divisor``
+    rounded to f32 (as XLA:CPU computes ``x / divisor``) before it is narrowed to ``dtype``,
+    so a mean costs no extra pass."""
     _register()
     shape = (packets.shape[0], n) if size is None else (size,)
     out = jax.ShapeDtypeStruct(shape, dtype)
     call = jax.ffi.ffi_call("cgx_dequantize", out, vmap_method="sequential")
-    return call(packets, offset=np.int64(offset), n=np.int64(n), **_codec_attrs(codec))
+    return call(packets, offset=np.int64(offset), n=np.int64(n), divisor=np.int64(divisor),
+                **_codec_attrs(codec))
 
 
 def reduce_requantize(peers, own, own_index, seed, codec: Codec, n: int, *,
                       emit_packet: bool = True, emit_sum: bool = False, offset: int = 0,
-                      sum_size: int | None = None):
+                      sum_size: int | None = None, divisor: int = 1):
     """The peer-to-peer reduction: decodes the ``N`` packets ``peers[:, offset:offset + P]``
     (of ``peers uint8 [N, W]``) of one chunk of ``n`` values, sums them in f32 in peer order
     0..N-1 (peer ``own_index`` replaced by the raw ``own`` chunk unless ``own`` is None) and
     re-encodes the sum as one packet. ``own`` is the ``[n]`` chunk or all ``N`` rows of ``n``
     (any shape, the last row possibly short: a missing value reads as the last one), of which
     the kernel reads row ``own_index`` (so a caller holding the rows passes them without
-    slicing out a copy). ``sum_size`` keeps the first values of the sum only.
+    slicing out a copy). ``sum_size`` keeps the first values of the sum only; the emitted
+    sum is scaled by ``1 / divisor`` (as in ``dequantize_rows``; the packet encodes the sum).
 
     Returns ``(packet uint8[P] or None, sum f32[n] (or [sum_size]) or None)``.
     """
@@ -140,5 +145,5 @@ def reduce_requantize(peers, own, own_index, seed, codec: Codec, n: int, *,
     call = jax.ffi.ffi_call("cgx_reduce_requantize", outs, vmap_method="sequential")
     packet, total = call(peers, own, jnp.asarray(own_index, jnp.int32), seed,
                          stochastic=codec.stochastic, n=np.int64(n), offset=np.int64(offset),
-                         **_codec_attrs(codec))
+                         divisor=np.int64(divisor), **_codec_attrs(codec))
     return (packet if emit_packet else None), (total if emit_sum else None)

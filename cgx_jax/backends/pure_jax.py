@@ -90,10 +90,12 @@ def quantize_rows(x, seed, codec: Codec, skip_row=None, n=None):
     return jnp.where(jnp.arange(rows)[:, None] == skip_row, jnp.uint8(0), packets)
 
 
-def dequantize_rows(packets, codec: Codec, n: int, dtype, offset: int = 0, size=None):
+def dequantize_rows(packets, codec: Codec, n: int, dtype, offset: int = 0, size=None,
+                    divisor: int = 1):
     """Same contract as ``cgx_jax.backends.ffi.dequantize_rows``."""
     if size is not None:
-        return dequantize_rows(packets, codec, n, dtype, offset).reshape(-1)[:size]
+        return dequantize_rows(packets, codec, n, dtype, offset,
+                               divisor=divisor).reshape(-1)[:size]
     packets = packets[:, offset:offset + packet_bytes(n, codec)]
     rows = packets.shape[0]
     nb = n // codec.bucket_size
@@ -109,12 +111,17 @@ def dequantize_rows(packets, codec: Codec, n: int, dtype, offset: int = 0, size=
     values = jnp.where(jnp.isfinite(offset), mn + offset, halved)
     values = jnp.clip(values, -_F32_MAX, _F32_MAX)
     values = jnp.where(jnp.isfinite(unit), values, jnp.float32(np.nan))
-    return values.reshape(rows, n).astype(dtype)
+    return _divided(values, divisor).reshape(rows, n).astype(dtype)
+
+
+def _divided(values, divisor: int):
+    """``values`` times ``1 / divisor`` rounded to f32, as the kernels scale a mean."""
+    return values if divisor == 1 else values * (np.float32(1) / np.float32(divisor))
 
 
 def reduce_requantize(peers, own, own_index, seed, codec: Codec, n: int, *,
                       emit_packet: bool = True, emit_sum: bool = False, offset: int = 0,
-                      sum_size=None):
+                      sum_size=None, divisor: int = 1):
     """Same contract as ``cgx_jax.backends.ffi.reduce_requantize``."""
     num_peers = peers.shape[0]
     pbytes = packet_bytes(n, codec)
@@ -133,4 +140,5 @@ def reduce_requantize(peers, own, own_index, seed, codec: Codec, n: int, *,
     for peer in range(num_peers):  # peer order 0..N-1, as the kernels
         total = total + decoded[peer]
     packet = quantize_rows(total[None, :], seed, codec)[0] if emit_packet else None
+    total = _divided(total, divisor)
     return packet, ((total if sum_size is None else total[:sum_size]) if emit_sum else None)

@@ -9,7 +9,8 @@ all-gather a list of segments sharing their collectives, the ring one buffer), t
 participant's index, seeds (one ``uint32[2]`` pair per quantization phase, per segment) and
 a backend (``cgx_jax.backends``), and returns the f32 sums and, with ``local_error=True``,
 what this participant's own compression lost (the input minus what its peers decoded of
-it; error feedback adds it to the next step's gradient), else ``None``.
+it; error feedback adds it to the next step's gradient), else ``None``. A ``divisor``
+above 1 (``compressed_pmean``) divides the sums in the kernel that writes them.
 """
 
 from __future__ import annotations
@@ -74,7 +75,9 @@ def padding_multiple(algorithm: str, codec: Codec, num_participants: int) -> int
 class Plan:
     """Everything static about one fused buffer's all-reduce: ``algorithm`` is resolved (not
     "auto"), ``num_participants`` is the size of ``axis_name`` (the outer axis when
-    ``inner_axis_name`` is set)."""
+    ``inner_axis_name`` is set). The sums come out divided by ``divisor`` (the number of
+    all participants for a mean, else 1): the kernel that writes them divides, so a mean
+    costs no extra pass over the result."""
 
     axis_name: Hashable
     codec: Codec
@@ -83,6 +86,7 @@ class Plan:
     num_participants: int
     local_error: bool
     inner_axis_name: Hashable = None
+    divisor: int = 1
 
     @property
     def segment_rows(self) -> int | None:
@@ -110,16 +114,16 @@ def _reduce_flat(bufs, lengths, seeds, plan: Plan, index):
     if plan.algorithm in ("sra", "allgather"):
         algorithm = scatter_reduce_allgather if plan.algorithm == "sra" else allgather_reduce
         return algorithm(bufs, lengths, *args, seeds, plan.codec, backend,
-                         local_error=plan.local_error)
+                         local_error=plan.local_error, divisor=plan.divisor)
     (buf,), (seeds,) = bufs, seeds
     total, error = ring_reduce(buf, *args, seeds, plan.codec, backend,
-                               local_error=plan.local_error)
+                               local_error=plan.local_error, divisor=plan.divisor)
     return [total], (None if error is None else [error])
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3))
 def allreduce_segments(bufs, seeds, plan: Plan, lengths: tuple):
-    """The compressed sums of the segments ``bufs`` (a list of flat f32 buffers;
+    """The compressed sums (divided by ``plan.divisor``) of the segments ``bufs`` (a list of flat f32 buffers;
     ``seeds uint32[segments, phases, 2]``) over ``plan.all_axes`` -> ``(f32 sums, local
     compression errors)``, lists like ``bufs`` (the errors empty arrays without
     ``local_error``); differentiable as an exact ``psum`` (straight-through). ``lengths``
@@ -152,4 +156,6 @@ def _allreduce_segments_jvp(plan, lengths, primals, tangents):
     # Under shard_map both are typed invariant over the reduced axes (the algorithms end in
     # an invariant gather), so jax.grad of a per-participant loss counts it once, as for psum.
     tangent = lax.psum(list(tangents[0]), plan.all_axes)
+    if plan.divisor != 1:
+        tangent = [t / jnp.float32(plan.divisor) for t in tangent]
     return (totals, errors), (tangent, [jnp.zeros_like(e) for e in errors])

@@ -8,7 +8,8 @@ from jax import lax
 from cgx_jax.collectives.transport import gather_packets
 
 
-def ring_reduce(buf, axis_name, index, num_participants, seeds, codec, backend, local_error=False):
+def ring_reduce(buf, axis_name, index, num_participants, seeds, codec, backend, local_error=False,
+                divisor=1):
     """Ring: the buffer is N chunks; chunk ``c`` starts as the encoded raw chunk of participant
     ``c+1`` and travels ``c+1 -> c+2 -> ... -> c`` in N-1 ``ppermute`` hops. Each receiver
     decodes the partial sum, adds its own raw chunk and re-encodes (``reduce_requantize`` with
@@ -56,5 +57,5 @@ def ring_reduce(buf, axis_name, index, num_participants, seeds, codec, backend, 
             errors = encode_error(errors, c, values, packet)
     # Now c == index: this participant holds the encoded full sum of its own chunk.
     gathered = gather_packets(packet, axis_name, n)
-    total = backend.dequantize_rows(gathered, codec, chunk, "float32").reshape(-1)
+    total = backend.dequantize_rows(gathered, codec, chunk, "float32", divisor=divisor).reshape(-1)
     return total, (None if errors is None else errors.reshape(-1))

@@ -8,7 +8,7 @@ from cgx_jax.collectives.transport import column_offsets, exchange_rows, gather_
 
 
 def scatter_reduce_allgather(bufs, lengths, axis_name, index, num_participants, seeds, codec,
-                             backend, local_error=False):
+                             backend, local_error=False, divisor=1):
     """SRA of the segments ``bufs`` (each seen as N whole-bucket chunks of ``length / N``
     values, the last possibly short; ``seeds`` one ``[2, 2]`` pair per segment): quantize the
     N-1 chunks of the peers (the own one stays raw, so it is not encoded) -> exchange them
@@ -17,8 +17,8 @@ def scatter_reduce_allgather(bufs, lengths, axis_name, index, num_participants, 
     share the two collectives. Every participant decodes the same bytes, so all replicas end
     bitwise identical. Traffic: 2(N-1)/N packets per participant; each value quantized twice.
 
-    Returns the segments' f32 sums (each as long as its buffer) and, with ``local_error``,
-    their errors (else None)."""
+    Returns the segments' f32 sums (each as long as its buffer, divided by ``divisor``) and,
+    with ``local_error``, their errors (else None)."""
     n = num_participants
     chunks = [length // n for length in lengths]
     packets = [backend.quantize_rows(buf, s[0], codec, skip_row=index, n=chunk)
@@ -32,7 +32,7 @@ def scatter_reduce_allgather(bufs, lengths, axis_name, index, num_participants, 
                for buf, s, chunk, offset in zip(bufs, seeds, chunks, offsets)]
     gathered = gather_packets(jnp.concatenate(reduced), axis_name, n)
     totals = [backend.dequantize_rows(gathered, codec, chunk, "float32", offset=offset,
-                                      size=buf.size)
+                                      size=buf.size, divisor=divisor)
               for buf, chunk, offset in zip(bufs, chunks, offsets)]
     errors = None
     if local_error:  # the own chunk is used raw, so it loses nothing

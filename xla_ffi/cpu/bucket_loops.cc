@@ -251,9 +251,17 @@ void quantize_range(const QuantizeJob& job, int64_t begin, int64_t end) {
   }
 }
 
-template <typename Tag>
-void dequantize_range(const DequantizeJob& job, int64_t begin, int64_t end) {
+// A decoded value times the mean's scale (1 / divisor in f32); a template flag so the
+// common unscaled loop carries no multiplication.
+template <bool kScale>
+float scaled(float v, float scale) {
+  return canonical_nan(kScale ? mul_rn(v, scale) : v);
+}
+
+template <typename Tag, bool kScale>
+void dequantize_rows_range(const DequantizeJob& job, int64_t begin, int64_t end) {
   auto* out = static_cast<typename Tag::storage*>(job.out);
+  const float scale = job.scale;
   const int64_t nb = job.n / job.bucket_size;
   const int64_t cbytes = code_bytes_per_bucket(job.bits, job.bucket_size);
   std::unique_ptr<uint8_t[]> levels(new uint8_t[job.bucket_size]);
@@ -267,15 +275,24 @@ void dequantize_range(const DequantizeJob& job, int64_t begin, int64_t end) {
     if (first + job.bucket_size <= job.out_count) {
       dequantize_bucket(packet, bucket, codes, job.bits, job.bucket_size, levels.get(),
                         [&](int64_t j, float v) {
-                          store_from_float(dst, j, canonical_nan(v), Tag{});
+                          store_from_float(dst, j, scaled<kScale>(v, scale), Tag{});
                         });
     } else {
       const int64_t keep = job.out_count - first;
       dequantize_bucket(packet, bucket, codes, job.bits, job.bucket_size, levels.get(),
                         [&](int64_t j, float v) {
-                          if (j < keep) store_from_float(dst, j, canonical_nan(v), Tag{});
+                          if (j < keep) store_from_float(dst, j, scaled<kScale>(v, scale), Tag{});
                         });
     }
+  }
+}
+
+template <typename Tag>
+void dequantize_range(const DequantizeJob& job, int64_t begin, int64_t end) {
+  if (job.scale == 1.0f) {
+    dequantize_rows_range<Tag, false>(job, begin, end);
+  } else {
+    dequantize_rows_range<Tag, true>(job, begin, end);
   }
 }
 
@@ -311,12 +328,17 @@ void reduce_range(const ReduceJob& job, int64_t begin, int64_t end) {
     }
     if (job.sum_out) {
       for (int64_t j = 0; j < p.bucket_size; ++j) acc[j] = canonical_nan(acc[j]);
-      if (!sum_in_place && first < job.sum_count)
-        std::copy(acc, acc + (job.sum_count - first), job.sum_out + first);
     }
     if (job.packet_out) {
       quantize_bucket<F32>(acc, p, static_cast<uint32_t>(first), bucket, job.packet_out,
                            codes_of(job.packet_out, nb, bucket, cbytes), levels.get());
+    }
+    if (job.sum_out) {  // scaled only now: the packet carries the sum itself
+      if (job.scale != 1.0f) {
+        for (int64_t j = 0; j < p.bucket_size; ++j) acc[j] = scaled<true>(acc[j], job.scale);
+      }
+      if (!sum_in_place && first < job.sum_count)
+        std::copy(acc, acc + (job.sum_count - first), job.sum_out + first);
     }
   }
 }

@@ -30,9 +30,9 @@ struct QuantizeJob {
   uint8_t* packets;
 };
 
-// packets [rows, P] (row r's packet at packets + r * row_bytes) -> out [rows, n]; work items
-// as for QuantizeJob. out holds out_count values (the last row may be short): values past
-// it are not written.
+// packets [rows, P] (row r's packet at packets + r * row_bytes) -> out [rows, n], each value
+// multiplied by `scale` (1: as decoded); work items as for QuantizeJob. out holds out_count
+// values (the last row may be short): values past it are not written.
 struct DequantizeJob {
   ElementType type;
   const uint8_t* packets;
@@ -42,11 +42,13 @@ struct DequantizeJob {
   int64_t bucket_size;
   void* out;
   int64_t out_count;
+  float scale;
 };
 
 // N peers' packets [N, P] (peer p's at peers + p * row_bytes) of one chunk of n values (+ the
 // raw own chunk, replacing peer own_index when own is not null) -> f32 sum in peer order,
-// re-encoded into packet_out and/or written to sum_out (either may be null); work item i is
+// re-encoded into packet_out and/or written to sum_out multiplied by `scale` (either may be
+// null; the packet encodes the sum itself); work item i is
 // bucket i of the chunk. own holds own_count values of the chunk (a short last row: a
 // missing value reads as own[own_count - 1]); sum_out holds sum_count (values past it are
 // not written).
@@ -63,6 +65,7 @@ struct ReduceJob {
   uint8_t* packet_out;
   float* sum_out;
   int64_t sum_count;
+  float scale;
 };
 
 struct BucketLoops {

@@ -190,14 +190,15 @@ ffi::Error Quantize(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U32
 // (the last row may be short)
 ffi::Error Dequantize(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> packets,
                       ffi::Result<ffi::AnyBuffer> x, int64_t bits, int64_t bucket_size,
-                      int64_t offset, int64_t n) {
+                      int64_t offset, int64_t n, int64_t divisor) {
   int64_t rows = 0, row_bytes = 0;
-  if (auto e = check_dequantize_args(bits, bucket_size, n, offset, x->element_count(),
+  if (auto e = check_dequantize_args(bits, bucket_size, n, offset, divisor, x->element_count(),
                                      packets.dimensions(), &rows, &row_bytes);
       e.failure())
     return e;
   DequantizeJob job{ElementType::kF32, packets.typed_data() + offset, row_bytes, n,
-                    static_cast<int>(bits), bucket_size, x->untyped_data(), x->element_count()};
+                    static_cast<int>(bits), bucket_size, x->untyped_data(), x->element_count(),
+                    reciprocal_of(divisor)};
   if (!element_type_of(x->element_type(), &job.type)) return unsupported_dtype("output");
   if (rows * n == 0) return ffi::Error::Success();
   parallel_for(pool, rows * (n / bucket_size), bucket_size,
@@ -211,10 +212,10 @@ ffi::Error ReduceRequantize(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> peers, ff
                             ffi::Buffer<ffi::S32> own_index, ffi::Buffer<ffi::U32> seed,
                             ffi::ResultBuffer<ffi::U8> packet, ffi::ResultBuffer<ffi::F32> sum,
                             int64_t bits, int64_t bucket_size, bool stochastic, int64_t n,
-                            int64_t offset) {
+                            int64_t offset, int64_t divisor) {
   int64_t num_peers = 0, row_bytes = 0;
   if (auto e = check_reduce_requantize_args(
-          bits, bucket_size, n, offset, peers.dimensions(), seed.element_count(),
+          bits, bucket_size, n, offset, divisor, peers.dimensions(), seed.element_count(),
           own_index.element_count(), own.element_count(), packet->element_count(),
           sum->element_count(), &num_peers, &row_bytes);
       e.failure())
@@ -225,7 +226,8 @@ ffi::Error ReduceRequantize(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> peers, ff
                 CodecParams{static_cast<int>(bits), bucket_size, stochastic,
                             seed.typed_data()[0], seed.typed_data()[1]},
                 packet->element_count() ? packet->typed_data() : nullptr,
-                sum->element_count() ? sum->typed_data() : nullptr, sum->element_count()};
+                sum->element_count() ? sum->typed_data() : nullptr, sum->element_count(),
+                reciprocal_of(divisor)};
   if (!element_type_of(own.element_type(), &job.own_type)) return unsupported_dtype("own");
   // The raw chunk replaces the own_index-th peer, which must then name a real peer.
   if (job.own != nullptr && (job.own_index < 0 || job.own_index >= num_peers)) {

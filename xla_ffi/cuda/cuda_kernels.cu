@@ -372,7 +372,7 @@ template <typename Tag, int TEAM>
 __global__ void __launch_bounds__(kThreads)
     dequantize_kernel(const uint8_t* __restrict__ in, int64_t row_bytes, int64_t rows, int64_t n,
                       int bits, int64_t bucket_size, typename Tag::storage* __restrict__ out,
-                      int64_t out_count, bool meta_aligned, bool out_vectorized) {
+                      int64_t out_count, float scale, bool meta_aligned, bool out_vectorized) {
   const Team<TEAM> team;
   const int64_t nb = n / bucket_size;
   const int64_t cbytes = code_bytes_per_bucket(bits, bucket_size);
@@ -391,7 +391,10 @@ __global__ void __launch_bounds__(kThreads)
       unpack8(codes + g * bits, bits, levels);
       float v[8];
 #pragma unroll
-      for (int k = 0; k < 8; ++k) v[k] = canonical_nan(decode_level(levels[k], mn, unit));
+      for (int k = 0; k < 8; ++k) {
+        const float decoded = decode_level(levels[k], mn, unit);
+        v[k] = canonical_nan(scale == 1.0f ? decoded : mul_rn(decoded, scale));
+      }
       if (cut) {
         store8_clamped<Tag>(out, first + 8 * g, out_count, v);
       } else {
@@ -422,6 +425,7 @@ struct ReduceArgs {
   uint8_t* packet_out;  // nullptr: not wanted
   float* sum_out;       // nullptr: not wanted
   int64_t sum_count;    // values in sum_out (it may be short)
+  float scale;          // sum_out = sum * scale (1 / divisor); the packet encodes the sum
   bool meta_aligned;
   bool own_vectorized;
   bool sum_vectorized;
@@ -496,10 +500,14 @@ __global__ void __launch_bounds__(kThreads)
         float acc[8];
         sum_group(e, acc);
         if (a.sum_out) {
+          float out[8];
+#pragma unroll
+          for (int k = 0; k < 8; ++k)
+            out[k] = a.scale == 1.0f ? acc[k] : canonical_nan(mul_rn(acc[k], a.scale));
           if (e + 8 <= a.sum_count) {
-            store8<F32>(a.sum_out, e, a.sum_vectorized, acc);
+            store8<F32>(a.sum_out, e, a.sum_vectorized, out);
           } else {  // a short sum
-            store8_clamped<F32>(a.sum_out, e, a.sum_count, acc);
+            store8_clamped<F32>(a.sum_out, e, a.sum_count, out);
           }
         }
         if (a.packet_out) {
@@ -644,9 +652,9 @@ ffi::Error Quantize(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::U32>
 
 ffi::Error Dequantize(cudaStream_t stream, ffi::Buffer<ffi::U8> packets,
                       ffi::Result<ffi::AnyBuffer> x, int64_t bits, int64_t bucket_size,
-                      int64_t offset, int64_t n) {
+                      int64_t offset, int64_t n, int64_t divisor) {
   int64_t rows = 0, row_bytes = 0;
-  if (auto e = check_dequantize_args(bits, bucket_size, n, offset, x->element_count(),
+  if (auto e = check_dequantize_args(bits, bucket_size, n, offset, divisor, x->element_count(),
                                      packets.dimensions(), &rows, &row_bytes);
       e.failure())
     return e;
@@ -663,8 +671,8 @@ ffi::Error Dequantize(cudaStream_t stream, ffi::Buffer<ffi::U8> packets,
     with_team(team, [&](auto team_size) {
       dequantize_kernel<Tag, decltype(team_size)::value><<<blocks, kThreads, 0, stream>>>(
           in, row_bytes, rows, n, static_cast<int>(bits), bucket_size,
-          static_cast<typename Tag::storage*>(data), x->element_count(), meta_aligned,
-          aligned_to(data, 16));
+          static_cast<typename Tag::storage*>(data), x->element_count(),
+          reciprocal_of(divisor), meta_aligned, aligned_to(data, 16));
     });
   });
   if (!supported) return unsupported_dtype("output");
@@ -675,10 +683,10 @@ ffi::Error ReduceRequantize(cudaStream_t stream, ffi::Buffer<ffi::U8> peers, ffi
                             ffi::Buffer<ffi::S32> own_index, ffi::Buffer<ffi::U32> seed,
                             ffi::ResultBuffer<ffi::U8> packet, ffi::ResultBuffer<ffi::F32> sum,
                             int64_t bits, int64_t bucket_size, bool stochastic, int64_t n,
-                            int64_t offset) {
+                            int64_t offset, int64_t divisor) {
   int64_t num_peers = 0, row_bytes = 0;
   if (auto e = check_reduce_requantize_args(
-          bits, bucket_size, n, offset, peers.dimensions(), seed.element_count(),
+          bits, bucket_size, n, offset, divisor, peers.dimensions(), seed.element_count(),
           own_index.element_count(), own.element_count(), packet->element_count(),
           sum->element_count(), &num_peers, &row_bytes);
       e.failure())
@@ -717,6 +725,7 @@ ffi::Error ReduceRequantize(cudaStream_t stream, ffi::Buffer<ffi::U8> peers, ffi
                         packet->element_count() ? packet->typed_data() : nullptr,
                         sum_out,
                         sum->element_count(),
+                        reciprocal_of(divisor),
                         aligned_to(peer_packets, 8) && (num_peers <= 1 || row_bytes % 8 == 0),
                         aligned_to(own_data, 16),
                         aligned_to(sum_out, 16)};
