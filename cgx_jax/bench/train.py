@@ -5,7 +5,8 @@ Each process is one participant (the allreduce benchmark's network: a namespace 
 process behind ``tc tbf`` veth links, ``cgx_jax.netem``; docs/design.md section 9). Every
 process runs plain library defaults: nothing in it is tuned beyond what a user's training
 process has. Per model and mode it times the median seconds per step over ``--repeats``
-steps after ``--warmup`` steps, and reports the global mean loss after all of them:
+steps after ``--warmup`` steps, the modes taking turns step by step (so a slow spell of a
+shared machine hits them alike), and reports the global mean loss after all of them:
 
 - ``floor``: the step with no all-reduce at all (each process applies its own gradient),
   the compute-only time any method pays;
@@ -216,6 +217,7 @@ def _worker(args) -> None:
                 jnp.broadcast_to(leaf, (n, *leaf.shape)), NamedSharding(mesh, P(axis))), tree)
 
         f32_bytes = sum(4 * leaf.size for leaf in jax.tree.leaves(params))
+        runs = {}  # mode -> its compiled step, current parameters and state, policy, loss
         for mode in args.modes:
             policy = None if mode in ("floor", "exact") else policy_for(mode)
             tx = optax.adam(lr) if mode == "floor" else optax.chain(
@@ -247,21 +249,29 @@ def _worker(args) -> None:
                     params, state = jax.tree.map(lambda v: v[None], (params, state))
                 return params, state, jax.lax.pmean(loss, axis)
 
-            p, s = run_params, state
-            times = []
-            for step in range(steps):
+            runs[mode] = dict(step=train_step, params=run_params, state=state, policy=policy)
+
+        # The modes take turns, one step each, so a slow spell of the shared machine falls
+        # on all of them alike instead of on whichever mode was running then.
+        times = {mode: [] for mode in runs}
+        for step in range(steps):
+            for mode, run in runs.items():
                 start = time.perf_counter()
-                p, s, loss = jax.block_until_ready(train_step(p, s, batches[step % len(batches)]))
-                times.append(time.perf_counter() - start)
-            timed = times[args.warmup:]
+                run["params"], run["state"], run["loss"] = jax.block_until_ready(run["step"](
+                    run["params"], run["state"], batches[step % len(batches)]))
+                times[mode].append(time.perf_counter() - start)
+        for mode, run in runs.items():
+            timed = times[mode][args.warmup:]
+            loss = float(run["loss"])
             wire = f32_bytes if mode == "exact" else (
-                0 if mode == "floor" else cgx.tree_wire_bytes(policy, params))
+                0 if mode == "floor" else cgx.tree_wire_bytes(run["policy"], params))
             rows.append(dict(model=model, mode=mode, seconds=statistics.median(timed),
-                             times=timed, loss=float(loss), steps=steps,
+                             times=timed, loss=loss, steps=steps,
                              parameters=f32_bytes // 4, wire_bytes=wire, f32_bytes=f32_bytes))
             if rank == 0:
                 print(f"  {model:<4} {mode:<9} {statistics.median(timed) * 1e3:9.1f} ms/step  "
-                      f"loss {float(loss):.4f} after {steps} steps", flush=True)
+                      f"loss {loss:.4f} after {steps} steps", flush=True)
+        del runs
     if rank == 0:
         with open(args.out, "w") as f:
             json.dump(rows, f)
