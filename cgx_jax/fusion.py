@@ -125,8 +125,10 @@ EXACT_FUSE_MAX_VALUES = 1 << 20
 def reduce_exact(reduce, leaves, axes) -> list:
     """``reduce(leaves, axes)`` (``lax.psum`` or ``lax.pmean``) with the leaves of fewer than
     ``EXACT_FUSE_MAX_VALUES`` values concatenated into one flat buffer per dtype and
-    varying-axes type, so the collective gets one operand per buffer; each element's sum is
-    the one it would have alone. Returns the reduced leaves in order.
+    varying-axes type, so the collective gets one operand per buffer. Returns the reduced
+    leaves in order. In one process each element's sum is bitwise the one it has alone;
+    across processes Gloo's summation order depends on the buffer, so an f32 sum may differ
+    from the leaf's own ``psum`` in the last bits (every replica still gets the same bits).
 
     Example:
         >>> import jax, jax.numpy as jnp

@@ -274,7 +274,7 @@ def test_divisor_divides_decoded_values_before_narrowing(backend, dtype):
     own = realistic(rng, 1, n, 64)[0]
     seed = np.array([3, 4], np.uint32)
     want_packet, want_sum = model.reduce_requantize(packets, own, 1, seed, 4, 64, True, n)
-    for divisor in (1, 3, 6, 7, 2**24):
+    for divisor in (1, 3, 7, 2**24):
         got = jax.jit(functools.partial(backend.dequantize_rows, codec=codec, n=n, dtype=dtype,
                                         divisor=divisor))(on_cpu(packets))
         scale = np.float32(1) / np.float32(divisor)

@@ -111,10 +111,10 @@ def dequantize_rows(packets, codec: Codec, n: int, dtype, offset: int = 0, size=
     values = jnp.where(jnp.isfinite(offset), mn + offset, halved)
     values = jnp.clip(values, -_F32_MAX, _F32_MAX)
     values = jnp.where(jnp.isfinite(unit), values, jnp.float32(np.nan))
-    return _divided(values, divisor).reshape(rows, n).astype(dtype)
+    return _scaled(values, divisor).reshape(rows, n).astype(dtype)
 
 
-def _divided(values, divisor: int):
+def _scaled(values, divisor: int):
     """``values`` times ``1 / divisor`` rounded to f32, as the kernels scale a mean."""
     return values if divisor == 1 else values * (np.float32(1) / np.float32(divisor))
 
@@ -140,5 +140,5 @@ def reduce_requantize(peers, own, own_index, seed, codec: Codec, n: int, *,
     for peer in range(num_peers):  # peer order 0..N-1, as the kernels
         total = total + decoded[peer]
     packet = quantize_rows(total[None, :], seed, codec)[0] if emit_packet else None
-    total = _divided(total, divisor)
+    total = _scaled(total, divisor)
     return packet, ((total if sum_size is None else total[:sum_size]) if emit_sum else None)

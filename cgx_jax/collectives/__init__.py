@@ -10,7 +10,8 @@ participant's index, seeds (one ``uint32[2]`` pair per quantization phase, per s
 a backend (``cgx_jax.backends``), and returns the f32 sums and, with ``local_error=True``,
 what this participant's own compression lost (the input minus what its peers decoded of
 it; error feedback adds it to the next step's gradient), else ``None``. A ``divisor``
-above 1 (``compressed_pmean``) divides the sums in the kernel that writes them.
+above 1 (``compressed_pmean``) scales the sums by ``f32(1/divisor)`` in the kernel that
+writes them.
 """
 
 from __future__ import annotations
@@ -75,9 +76,9 @@ def padding_multiple(algorithm: str, codec: Codec, num_participants: int) -> int
 class Plan:
     """Everything static about one fused buffer's all-reduce: ``algorithm`` is resolved (not
     "auto"), ``num_participants`` is the size of ``axis_name`` (the outer axis when
-    ``inner_axis_name`` is set). The sums come out divided by ``divisor`` (the number of
-    all participants for a mean, else 1): the kernel that writes them divides, so a mean
-    costs no extra pass over the result."""
+    ``inner_axis_name`` is set). The sums come out scaled by ``f32(1/divisor)`` (``divisor``:
+    the number of all participants for a mean, else 1) by the kernel that writes them, so a
+    mean costs no extra pass over the result."""
 
     axis_name: Hashable
     codec: Codec
@@ -123,10 +124,11 @@ def _reduce_flat(bufs, lengths, seeds, plan: Plan, index):
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3))
 def allreduce_segments(bufs, seeds, plan: Plan, lengths: tuple):
-    """The compressed sums (divided by ``plan.divisor``) of the segments ``bufs`` (a list of flat f32 buffers;
-    ``seeds uint32[segments, phases, 2]``) over ``plan.all_axes`` -> ``(f32 sums, local
-    compression errors)``, lists like ``bufs`` (the errors empty arrays without
-    ``local_error``); differentiable as an exact ``psum`` (straight-through). ``lengths``
+    """The compressed sums (scaled for ``plan.divisor``) of the segments ``bufs`` (a list of
+    flat f32 buffers; ``seeds uint32[segments, phases, 2]``) over ``plan.all_axes`` ->
+    ``(f32 sums, local compression errors)``, lists like ``bufs`` (the errors empty arrays
+    without ``local_error``); differentiable as an exact ``psum`` (or ``pmean``; straight-
+    through). ``lengths``
     are the lengths the algorithm sees, padded for it: a buffer is that long, or (with
     ``plan.segment_rows``) short within its last row (``fusion.pack``). More than one
     segment needs ``plan.segment_rows``."""

@@ -15,7 +15,7 @@ def allgather_reduce(bufs, lengths, axis_name, index, num_participants, seeds, c
     other), decode and sum all of them (the own one decoded too, so replicas stay identical).
     Traffic: N-1 packets per participant; each value quantized once.
 
-    Returns the segments' f32 sums (each as long as its buffer, divided by ``divisor``) and,
+    Returns the segments' f32 sums (each as long as its buffer, times ``f32(1/divisor)``) and,
     with ``local_error``, their errors (else None)."""
     packets = [backend.quantize_rows(buf, s[0], codec, n=length)
                for buf, s, length in zip(bufs, seeds, lengths)]

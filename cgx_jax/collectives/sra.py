@@ -17,7 +17,7 @@ def scatter_reduce_allgather(bufs, lengths, axis_name, index, num_participants, 
     share the two collectives. Every participant decodes the same bytes, so all replicas end
     bitwise identical. Traffic: 2(N-1)/N packets per participant; each value quantized twice.
 
-    Returns the segments' f32 sums (each as long as its buffer, divided by ``divisor``) and,
+    Returns the segments' f32 sums (each as long as its buffer, times ``f32(1/divisor)``) and,
     with ``local_error``, their errors (else None)."""
     n = num_participants
     chunks = [length // n for length in lengths]
