@@ -177,12 +177,6 @@ def reduce_tree(x, axis_name, *, codec=None, policy=None, key=None, algorithm="a
 
     out = list(leaves)
     errors = [jnp.zeros(leaf.shape, jnp.float32) for leaf in leaves] if local_error else None
-    # An empty leaf's sum is empty: it skips the collective (jax 0.11's XLA:CPU crashes
-    # compiling an all-reduce of zero elements beside other outputs).
-    for i in exact:
-        if leaves[i].size == 0:
-            out[i] = jnp.zeros(leaves[i].shape, leaves[i].dtype)
-    exact = [i for i in exact if leaves[i].size]
     if exact:
         reduce_exact = lax.pmean if mean else lax.psum
         for i, value in zip(exact, fusion.reduce_exact(reduce_exact, [leaves[i] for i in exact],

@@ -125,10 +125,12 @@ EXACT_FUSE_MAX_VALUES = 1 << 20
 def reduce_exact(reduce, leaves, axes) -> list:
     """``reduce(leaves, axes)`` (``lax.psum`` or ``lax.pmean``) with the leaves of fewer than
     ``EXACT_FUSE_MAX_VALUES`` values concatenated into one flat buffer per dtype and
-    varying-axes type, so the collective gets one operand per buffer. Returns the reduced
-    leaves in order. In one process each element's sum is bitwise the one it has alone;
-    across processes Gloo's summation order depends on the buffer, so an f32 sum may differ
-    from the leaf's own ``psum`` in the last bits (every replica still gets the same bits).
+    varying-axes type, so the collective gets one operand per buffer; an empty leaf's sum is
+    empty and skips the collective (jax 0.11's XLA:CPU crashes compiling an all-reduce of
+    zero elements beside other outputs). Returns the reduced leaves in order. In one process
+    each element's sum is bitwise the one it has alone; across processes Gloo's summation
+    order depends on the buffer, so an f32 sum may differ from the leaf's own ``psum`` in
+    the last bits (every replica still gets the same bits).
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -136,22 +138,18 @@ def reduce_exact(reduce, leaves, axes) -> list:
         >>> [x.tolist() for x in f(jnp.ones((1, 3)), jnp.ones((1, 2), jnp.int32))]
         [[[1.0, 1.0, 1.0]], [[1, 1]]]
     """
-    operands = []  # (leaf indices, the array that travels)
-    fused: dict[tuple, list[int]] = {}
-    for i, leaf in enumerate(leaves):
-        if leaf.size < EXACT_FUSE_MAX_VALUES:
-            fused.setdefault((leaf.dtype, varying_axes(leaf)), []).append(i)
-        else:
-            operands.append(([i], leaf))
-    for members in fused.values():
-        buf = (leaves[members[0]] if len(members) == 1 else
-               jnp.concatenate([leaves[i].reshape(-1) for i in members]))
-        operands.append((members, buf))
     out = [None] * len(leaves)
-    for (members, _), total in zip(operands, reduce([buf for _, buf in operands], axes)):
-        if len(members) == 1:
-            out[members[0]] = total
-            continue
+    operands: dict[tuple, list[int]] = {}  # what travels as one operand -> its leaves
+    for i, leaf in enumerate(leaves):
+        if leaf.size == 0:
+            out[i] = jnp.zeros(leaf.shape, leaf.dtype)
+        elif leaf.size < EXACT_FUSE_MAX_VALUES:
+            operands.setdefault((leaf.dtype, varying_axes(leaf)), []).append(i)
+        else:
+            operands[("alone", i)] = [i]
+    bufs = [jnp.concatenate([leaves[i].reshape(-1) for i in members]) if len(members) > 1
+            else leaves[members[0]].reshape(-1) for members in operands.values()]
+    for members, total in zip(operands.values(), reduce(bufs, axes) if bufs else []):
         offset = 0
         for i in members:
             out[i] = total[offset:offset + leaves[i].size].reshape(leaves[i].shape)
