@@ -7,6 +7,10 @@ import os
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Several test workers share a machine's one GPU: JAX's default of taking 75% of its
+    # memory per process would leave the second worker none.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

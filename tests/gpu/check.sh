@@ -87,7 +87,7 @@ for name in ("jax-cuda13-plugin", "jax-cuda13-pjrt", "flax", "optax", "nanobind"
 '
 
 run_step "GPU tests (tests/test_backends_cuda.py)" 120 \
-  "$PY" -m pytest -q tests/test_backends_cuda.py -rs --durations=5 \
+  "$PY" -m pytest -o addopts="" -q tests/test_backends_cuda.py -rs --durations=5 \
   --junitxml="$RESULTS/gpu_tests.xml"
 
 run_step "benchmark: kernels on the GPU" 90 \
@@ -100,12 +100,12 @@ run_step "compressed_psum and the ViT step on one GPU (tests/gpu/step_overhead.p
 # With the time left: the CPU kernel tests on this machine's jax, and a memory check of the
 # CUDA kernels (out-of-bounds accesses) on the small packet-window and reduction tests.
 run_step "CPU kernel tests (subset)" 60 \
-  "$PY" -m pytest -q -x tests/test_backends_ffi.py tests/test_backends_pure_jax.py
+  "$PY" -m pytest -o addopts="" -q -x tests/test_backends_ffi.py tests/test_backends_pure_jax.py
 if command -v compute-sanitizer >/dev/null; then
   run_step "compute-sanitizer memcheck (CUDA window and reduction tests)" 90 \
     env XLA_PYTHON_CLIENT_PREALLOCATE=false \
     compute-sanitizer --tool memcheck --error-exitcode 3 \
-    "$PY" -m pytest -q -x tests/test_backends_cuda.py -k "windows or reduce_requantize"
+    "$PY" -m pytest -o addopts="" -q -x tests/test_backends_cuda.py -k "windows or reduce_requantize"
 fi
 
 echo
