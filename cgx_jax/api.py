@@ -3,9 +3,10 @@
 
 ``reduce_tree`` composes the pieces: the policy picks a codec per leaf
 (``cgx_jax.policy``), leaves sharing a codec are fused into one group of segments
-(``cgx_jax.fusion``), each group goes through one compressed all-reduce
-(``cgx_jax.collectives``) with its own noise (``cgx_jax.seeds``), and the exact leaves go
-through one ``lax.psum``.
+(``cgx_jax.fusion``), the segments of all groups go through one compressed all-reduce
+(``cgx_jax.collectives``; the ring and the hierarchical reduction: one per group), each
+group with its own noise (``cgx_jax.seeds``), and the exact leaves go through one fused
+``lax.psum``.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from cgx_jax import fusion, memory
 from cgx_jax.backends import BACKENDS, get_backend
 from cgx_jax.codec import Codec, pad_to_multiple, padded_length, packet_bytes
 from cgx_jax.collectives import (ALGORITHMS, Plan, allreduce_segments, axis_tuple, num_phases,
-                                 padding_multiple, resolve_algorithm)
+                                 padding_multiple, resolve_algorithm, segment_rows)
 from cgx_jax.policy import LayerPolicy, is_compressible, path_name
 from cgx_jax.seeds import phase_seeds, rounding_seed, seed_bits
 from cgx_jax.validation import check_choice, check_codec
@@ -182,24 +183,41 @@ def reduce_tree(x, axis_name, *, codec=None, policy=None, key=None, algorithm="a
         for i, value in zip(exact, fusion.reduce_exact(reduce_exact, [leaves[i] for i in exact],
                                                        all_axes)):
             out[i] = value
+    # Each codec group is split into segments with their own seeds. SRA and all-gather then
+    # carry the segments of all groups in one set of collectives (an adaptive policy's
+    # several bit widths add no latency); the ring and the hierarchical reduction reduce each
+    # group's one segment on its own.
+    rows = segment_rows(algorithm, num_participants, hierarchical=inner_axis_name is not None)
+    segments, codecs, bufs, lengths, seeds = [], [], [], [], []
     for group_number, (group_codec, members) in enumerate(groups.items()):
-        plan = Plan(axis_name, group_codec, algorithm, backend, num_participants, local_error,
-                    inner_axis_name, divisor=num_participants * inner_size if mean else 1)
         multiple = inner_size * padding_multiple(algorithm, group_codec, num_participants)
-        segments = [[members[j] for j in segment] for segment in fusion.split_segments(
-            [leaves[i].size for i in members], multiple, plan.segment_rows)]
-        seeds = phase_seeds(key if group_codec.stochastic else None, group_number, participant,
-                            len(segments), num_phases(algorithm, num_participants))
-        bufs, lengths = zip(*[fusion.pack([leaves[i] for i in segment],
-                                          group_codec.bucket_size, multiple, plan.segment_rows)
-                              for segment in segments])
-        totals, seg_errors = allreduce_segments(list(bufs), seeds, plan, lengths)
-        for segment, total, error in zip(segments, totals, seg_errors):
-            shapes = [leaves[i].shape for i in segment]
-            for i, value in zip(segment, fusion.unpack(total, shapes, group_codec.bucket_size)):
+        group_segments = [[members[j] for j in segment] for segment in fusion.split_segments(
+            [leaves[i].size for i in members], multiple, rows)]
+        seeds.append(phase_seeds(key if group_codec.stochastic else None, group_number,
+                                 participant, len(group_segments),
+                                 num_phases(algorithm, num_participants)))
+        for segment in group_segments:
+            buf, length = fusion.pack([leaves[i] for i in segment], group_codec.bucket_size,
+                                      multiple, rows)
+            segments.append(segment), codecs.append(group_codec)
+            bufs.append(buf), lengths.append(length)
+    seeds = jnp.concatenate(seeds) if seeds else None
+    batches = ([range(len(segments))] if rows is not None and segments
+               else [range(s, s + 1) for s in range(len(segments))])
+    for batch in batches:
+        plan = Plan(axis_name, tuple(codecs[s] for s in batch), algorithm, backend,
+                    num_participants, local_error, inner_axis_name,
+                    divisor=num_participants * inner_size if mean else 1)
+        totals, batch_errors = allreduce_segments(
+            [bufs[s] for s in batch], seeds[batch.start:batch.stop], plan,
+            tuple(lengths[s] for s in batch))
+        for s, total, error in zip(batch, totals, batch_errors):
+            shapes = [leaves[i].shape for i in segments[s]]
+            bucket_size = codecs[s].bucket_size
+            for i, value in zip(segments[s], fusion.unpack(total, shapes, bucket_size)):
                 out[i] = value.astype(leaves[i].dtype)
             if local_error:
-                for i, lost in zip(segment, fusion.unpack(error, shapes, group_codec.bucket_size)):
+                for i, lost in zip(segments[s], fusion.unpack(error, shapes, bucket_size)):
                     errors[i] = lost
     result = jax.tree_util.tree_unflatten(treedef, out)
     if local_error:

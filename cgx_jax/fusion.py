@@ -1,5 +1,6 @@
 """Fusion: the leaves of a pytree that share a codec travel together, so a model's many
-layers cost one set of collectives per codec (docs/design.md section 6).
+layers cost one set of collectives (with SRA and all-gather, one for all codecs; the ring
+and the hierarchical reduction: one per codec; docs/design.md section 6).
 
 The group is split into segments (``split_segments``): with SRA and all-gather each large
 leaf is a segment of its own, which the kernels read and whose result they write in place

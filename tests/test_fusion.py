@@ -233,3 +233,43 @@ def test_exact_fusion_keeps_each_leafs_varying_axes():
     a, b = f(jnp.arange(2 * 5.0).reshape(2, 5), jnp.arange(4 * 3.0).reshape(4, 3))
     np.testing.assert_array_equal(a[0], [5.0, 7.0, 9.0, 11.0, 13.0])
     np.testing.assert_array_equal(b[:, :], [[6.0, 8.0, 10.0], [12.0, 14.0, 16.0]])
+
+
+GROUP_CODECS = {"w2": cgx.Codec(bits=2, bucket_size=128, rounding="nearest"),
+                "w8": cgx.Codec(bits=8, bucket_size=256, rounding="nearest"), "w4": CODEC}
+
+
+def groups_tree(num_devices, rng):
+    """Leaves for three codec groups (GROUP_CODECS), one of them bf16 and one large enough
+    to be a segment of its own."""
+    return {"w2": rng.normal(size=(num_devices, 300, 7)).astype(np.float32),
+            "w8": rng.normal(size=(num_devices, 512, LARGE // 512)).astype(np.float32),
+            "w4": rng.normal(size=(num_devices, 27, 37)).astype(ml_dtypes.bfloat16)}
+
+
+@pytest.mark.parametrize("algorithm", ["sra", "allgather", "ring"])
+def test_codec_groups_share_the_collectives_and_keep_their_bytes(algorithm):
+    """Leaves of different codecs (an adaptive policy's bit widths) travel in one set of SRA
+    or all-gather collectives, each group's bytes as when it is reduced alone."""
+    stacked = jax.tree.map(jnp.asarray, groups_tree(4, np.random.default_rng(5)))
+    policy = cgx.LayerPolicy(min_size=0, overrides={f"^{k}$": c for k, c in GROUP_CODECS.items()})
+    got = run_sharded(lambda t: cgx.compressed_pmean(t, "batch", policy=policy,
+                                                     algorithm=algorithm), stacked, 4)
+    for name, codec in GROUP_CODECS.items():
+        alone = run_sharded(lambda v: cgx.compressed_pmean(v, "batch", codec=codec,
+                                                           algorithm=algorithm), stacked[name], 4)
+        assert got[name].dtype == stacked[name].dtype
+        np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(alone), err_msg=name)
+
+    def lowered(tree, policy):
+        f = jax.jit(jax.shard_map(lambda t: cgx.compressed_psum(t, "batch", policy=policy,
+                                                                algorithm=algorithm),
+                                  mesh=cpu_mesh(4), in_specs=jax.sharding.PartitionSpec(),
+                                  out_specs=jax.sharding.PartitionSpec(), check_vma=False))
+        text = f.lower(jax.tree.map(lambda v: v[0], tree)).as_text()
+        return sum(text.count(f"stablehlo.{op}") for op in ("all_to_all", "all_gather",
+                                                             "collective_permute"))
+
+    one_group = lowered({"w4": stacked["w4"]}, POLICY)
+    # SRA and all-gather: one set of collectives for the three groups; the ring: one each.
+    assert lowered(stacked, policy) == (3 * one_group if algorithm == "ring" else one_group)

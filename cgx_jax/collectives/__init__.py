@@ -74,30 +74,22 @@ def padding_multiple(algorithm: str, codec: Codec, num_participants: int) -> int
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """Everything static about one fused buffer's all-reduce: ``algorithm`` is resolved (not
+    """Everything static about one all-reduce of fused segments: ``codecs`` one per segment
+    (SRA and all-gather carry segments of several codecs in one set of collectives; the ring
+    and the hierarchical reduction take one segment), ``algorithm`` is resolved (not
     "auto"), ``num_participants`` is the size of ``axis_name`` (the outer axis when
     ``inner_axis_name`` is set). The sums come out scaled by ``f32(1/divisor)`` (``divisor``:
     the number of all participants for a mean, else 1) by the kernel that writes them, so a
     mean costs no extra pass over the result."""
 
     axis_name: Hashable
-    codec: Codec
+    codecs: tuple[Codec, ...]
     algorithm: str
     backend: str
     num_participants: int
     local_error: bool
     inner_axis_name: Hashable = None
     divisor: int = 1
-
-    @property
-    def segment_rows(self) -> int | None:
-        """The rows the kernels view each segment as, whose last may be short (SRA N chunks,
-        all-gather one), when large leaves travel as segments of their own
-        (``fusion.split_segments``); None for the ring and the hierarchical reduction, which
-        take one padded buffer."""
-        if self.inner_axis_name is not None or self.algorithm not in ("sra", "allgather"):
-            return None
-        return self.num_participants if self.algorithm == "sra" else 1
 
     @property
     def all_axes(self):
@@ -107,6 +99,21 @@ class Plan:
         return axis_tuple(self.axis_name) + axis_tuple(self.inner_axis_name)
 
 
+def segment_rows(algorithm: str, num_participants: int, hierarchical: bool) -> int | None:
+    """The rows the kernels view each segment as, whose last may be short (SRA N chunks,
+    all-gather one), when large leaves travel as segments of their own
+    (``fusion.split_segments``) and several segments share the collectives; None for the
+    ring and the hierarchical reduction, which take one padded buffer.
+
+    Example:
+        >>> segment_rows("sra", 4, hierarchical=False), segment_rows("ring", 4, False)
+        (4, None)
+    """
+    if hierarchical or algorithm not in ("sra", "allgather"):
+        return None
+    return num_participants if algorithm == "sra" else 1
+
+
 def _reduce_flat(bufs, lengths, seeds, plan: Plan, index):
     """The plan's flat algorithm over ``plan.axis_name`` -> (sums, errors or None), one per
     segment. The ring takes a single segment."""
@@ -114,10 +121,10 @@ def _reduce_flat(bufs, lengths, seeds, plan: Plan, index):
     args = (plan.axis_name, index, plan.num_participants)
     if plan.algorithm in ("sra", "allgather"):
         algorithm = scatter_reduce_allgather if plan.algorithm == "sra" else allgather_reduce
-        return algorithm(bufs, lengths, *args, seeds, plan.codec, backend,
+        return algorithm(bufs, lengths, *args, seeds, plan.codecs, backend,
                          local_error=plan.local_error, divisor=plan.divisor)
-    (buf,), (seeds,) = bufs, seeds
-    total, error = ring_reduce(buf, *args, seeds, plan.codec, backend,
+    (buf,), (seeds,), (codec,) = bufs, seeds, plan.codecs
+    total, error = ring_reduce(buf, *args, seeds, codec, backend,
                                local_error=plan.local_error, divisor=plan.divisor)
     return [total], (None if error is None else [error])
 
@@ -130,8 +137,8 @@ def allreduce_segments(bufs, seeds, plan: Plan, lengths: tuple):
     without ``local_error``); differentiable as an exact ``psum`` (or ``pmean``; straight-
     through). ``lengths``
     are the lengths the algorithm sees, padded for it: a buffer is that long, or (with
-    ``plan.segment_rows``) short within its last row (``fusion.pack``). More than one
-    segment needs ``plan.segment_rows``."""
+    ``segment_rows``) short within its last row (``fusion.pack``). More than one segment
+    needs ``segment_rows``."""
     index = lax.axis_index(plan.axis_name)
     if plan.inner_axis_name is None:
         totals, errors = _reduce_flat(bufs, lengths, seeds, plan, index)

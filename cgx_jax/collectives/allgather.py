@@ -7,10 +7,11 @@ import jax.numpy as jnp
 from cgx_jax.collectives.transport import column_offsets, gather_packets
 
 
-def allgather_reduce(bufs, lengths, axis_name, index, num_participants, seeds, codec, backend,
+def allgather_reduce(bufs, lengths, axis_name, index, num_participants, seeds, codecs, backend,
                      local_error=False, divisor=1):
     """All-gather of the segments ``bufs`` (each seen as one row of ``length`` values, which
-    the buffer may fall short of; ``seeds`` one ``[2, 2]`` pair per segment): quantize each
+    the buffer may fall short of; ``seeds`` one ``[2, 2]`` pair and ``codecs`` one codec per
+    segment): quantize each
     segment once, gather every participant's packets (one packet per segment, one after the
     other), decode and sum all of them (the own one decoded too, so replicas stay identical).
     Traffic: N-1 packets per participant; each value quantized once.
@@ -18,14 +19,15 @@ def allgather_reduce(bufs, lengths, axis_name, index, num_participants, seeds, c
     Returns the segments' f32 sums (each as long as its buffer, times ``f32(1/divisor)``) and,
     with ``local_error``, their errors (else None)."""
     packets = [backend.quantize_rows(buf, s[0], codec, n=length)
-               for buf, s, length in zip(bufs, seeds, lengths)]
+               for buf, s, codec, length in zip(bufs, seeds, codecs, lengths)]
     gathered = gather_packets(jnp.concatenate(packets, axis=1)[0], axis_name, num_participants)
     totals = [backend.reduce_requantize(gathered, None, index, s[1], codec, length,
                                         emit_packet=False, emit_sum=True, offset=offset,
                                         sum_size=buf.size, divisor=divisor)[1]
-              for buf, s, length, offset in zip(bufs, seeds, lengths, column_offsets(packets))]
+              for buf, s, codec, length, offset in zip(bufs, seeds, codecs, lengths,
+                                                       column_offsets(packets))]
     errors = None
     if local_error:
         errors = [buf - backend.dequantize_rows(p, codec, length, "float32", size=buf.size)
-                  for buf, p, length in zip(bufs, packets, lengths)]
+                  for buf, p, codec, length in zip(bufs, packets, codecs, lengths)]
     return totals, errors

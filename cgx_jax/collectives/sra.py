@@ -7,10 +7,11 @@ import jax.numpy as jnp
 from cgx_jax.collectives.transport import column_offsets, exchange_rows, gather_packets
 
 
-def scatter_reduce_allgather(bufs, lengths, axis_name, index, num_participants, seeds, codec,
+def scatter_reduce_allgather(bufs, lengths, axis_name, index, num_participants, seeds, codecs,
                              backend, local_error=False, divisor=1):
     """SRA of the segments ``bufs`` (each seen as N whole-bucket chunks of ``length / N``
-    values, the last possibly short; ``seeds`` one ``[2, 2]`` pair per segment): quantize the
+    values, the last possibly short; ``seeds`` one ``[2, 2]`` pair and ``codecs`` one codec
+    per segment: segments of different codecs share the collectives too): quantize the
     N-1 chunks of the peers (the own one stays raw, so it is not encoded) -> exchange them
     (an all-to-all) -> reduce own chunk and re-encode -> all_gather -> decode. Row ``j`` on
     the wire holds chunk ``j`` of every segment, one packet after the other, so all segments
@@ -22,22 +23,22 @@ def scatter_reduce_allgather(bufs, lengths, axis_name, index, num_participants, 
     n = num_participants
     chunks = [length // n for length in lengths]
     packets = [backend.quantize_rows(buf, s[0], codec, skip_row=index, n=chunk)
-               for buf, s, chunk in zip(bufs, seeds, chunks)]
+               for buf, s, codec, chunk in zip(bufs, seeds, codecs, chunks)]
     offsets = column_offsets(packets)
     received = exchange_rows(jnp.concatenate(packets, axis=1), axis_name, index, n)
     # The kernels read the own chunk from the buffer (its row `index`) and each segment's
     # packets at their offset in the wire rows: slicing either out here would make XLA copy it.
     reduced = [backend.reduce_requantize(received, buf, index, s[1], codec, chunk,
                                          offset=offset)[0]
-               for buf, s, chunk, offset in zip(bufs, seeds, chunks, offsets)]
+               for buf, s, codec, chunk, offset in zip(bufs, seeds, codecs, chunks, offsets)]
     gathered = gather_packets(jnp.concatenate(reduced), axis_name, n)
     totals = [backend.dequantize_rows(gathered, codec, chunk, "float32", offset=offset,
                                       size=buf.size, divisor=divisor)
-              for buf, chunk, offset in zip(bufs, chunks, offsets)]
+              for buf, codec, chunk, offset in zip(bufs, codecs, chunks, offsets)]
     errors = None
     if local_error:  # the own chunk is used raw, so it loses nothing
         errors = []
-        for buf, p, chunk in zip(bufs, packets, chunks):
+        for buf, p, codec, chunk in zip(bufs, packets, codecs, chunks):
             lost = buf - backend.dequantize_rows(p, codec, chunk, "float32", size=buf.size)
             errors.append(jnp.where(jnp.arange(buf.size) // chunk == index, 0.0, lost))
     return totals, errors
