@@ -199,8 +199,10 @@ def reduce_tree(x, axis_name, *, codec=None, policy=None, key=None, algorithm="a
         for segment in group_segments:
             buf, length = fusion.pack([leaves[i] for i in segment], group_codec.bucket_size,
                                       multiple, rows)
-            segments.append(segment), codecs.append(group_codec)
-            bufs.append(buf), lengths.append(length)
+            segments.append(segment)
+            codecs.append(group_codec)
+            bufs.append(buf)
+            lengths.append(length)
     seeds = jnp.concatenate(seeds) if seeds else None
     batches = ([range(len(segments))] if rows is not None and segments
                else [range(s, s + 1) for s in range(len(segments))])
