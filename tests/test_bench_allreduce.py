@@ -40,12 +40,25 @@ def test_parse_size_and_rate():
             parse(bad)
 
 
+def test_layouts_split_the_values_as_the_models_leaves():
+    assert allreduce.leaf_sizes("flat", 1000) == [1000]
+    assert allreduce.leaf_sizes("mlp", 10014720) == list(allreduce.MLP_KERNELS)
+    vit = allreduce.vit_leaves()
+    assert len(vit) == 80 and sum(vit) == 18_979_338  # bench train's ViT, 19.0M parameters
+    assert allreduce.leaf_sizes("vit", sum(vit)) == vit
+    scaled = allreduce.leaf_sizes("vit", 1 << 20)
+    assert sum(scaled) == 1 << 20 and len(scaled) == 80 and min(scaled) >= 1
+    with pytest.raises(ValueError, match="too small for the vit layout's 80 leaves"):
+        allreduce.leaf_sizes("vit", 50)
+
+
 @pytest.mark.parametrize("args, message", [
     (["--processes", "1"], "--processes must be at least 2, got 1"),
     (["--devices-per-process", "0"], "--devices-per-process must be at least 1, got 0"),
     (["--link", "1gbit", "3gb"], "link rate must look like"),
     (["--netns-prefix", "bad name"], "--netns-prefix"),
     (["--algorithms", "tree"], "invalid choice: 'tree'"),
+    (["--layouts", "vit", "--sizes", "64"], "--sizes 64 is too small for the vit layout"),
 ])
 def test_bad_arguments_exit_with_a_message(args, message, capsys):
     with pytest.raises(SystemExit) as exit_info:

@@ -49,10 +49,32 @@ PORT = 23456
 MLP_KERNELS = (784 * 2048, 2048 * 2048, 2048 * 2048, 2048 * 10)
 
 
-def mlp_leaf_sizes(size: int) -> list[int]:
-    """``size`` values split as the kernels of an MLP 784-2048-2048-2048-10 are."""
-    total = sum(MLP_KERNELS)
-    sizes = [max(1, size * k // total) for k in MLP_KERNELS[:-1]]
+def vit_leaves() -> list[int]:
+    """The sizes of the 80 parameter leaves of ``bench train``'s 19M-parameter ViT, in
+    ``tree_leaves`` order (its kernels, embeddings, biases and norms)."""
+    import jax
+
+    from cgx_jax.bench.train import vit_init
+
+    return [leaf.size for leaf in jax.tree.leaves(jax.eval_shape(vit_init, jax.random.key(0)))]
+
+
+def leaf_sizes(layout: str, size: int) -> list[int]:
+    """``size`` values split as a model's leaves are, in proportion: ``mlp`` as the four
+    kernels of an MLP 784-2048-2048-2048-10, ``vit`` as the ViT's 80 leaves (each at least
+    one value); ``flat``: one leaf.
+
+    Example:
+        >>> leaf_sizes("mlp", 10014720)
+        [1605632, 4194304, 4194304, 20480]
+    """
+    if layout == "flat":
+        return [size]
+    weights = MLP_KERNELS if layout == "mlp" else vit_leaves()
+    sizes = [max(1, size * w // sum(weights)) for w in weights[:-1]]
+    if size - sum(sizes) < 1:
+        raise ValueError(f"--sizes {size} is too small for the {layout} layout's "
+                         f"{len(weights)} leaves")
     return sizes + [size - sum(sizes)]
 
 
@@ -138,9 +160,9 @@ def _worker(args) -> None:
         print("  (hierarchical needs --devices-per-process 2 or more: skipped)", flush=True)
     rows = []
     for size, layout in [(s, layout) for s in args.sizes for layout in args.layouts]:
-        # "mlp": the same values as the kernels of an MLP 784-2048-2048-2048-10, scaled to
-        # the size: separate leaves, as an optimizer's gradient pytree arrives.
-        bounds = np.cumsum([0] + mlp_leaf_sizes(size)) if layout == "mlp" else [0, size]
+        # "mlp"/"vit": the same values as a model's leaves, scaled to the size: separate
+        # leaves, as an optimizer's gradient pytree arrives.
+        bounds = np.cumsum([0] + leaf_sizes(layout, size))
         leaves = {}
         for leaf, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
             pieces = []
@@ -435,9 +457,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sizes", type=parse_size, nargs="+", default=[1 << 20, 16 << 20],
                    help="gradient sizes in f32 elements: 1M 16M 64M (default 1M 16M)")
     p.add_argument("--bits", type=int, nargs="+", default=[2, 4, 8])
-    p.add_argument("--layouts", nargs="+", default=["flat"], choices=["flat", "mlp"],
+    p.add_argument("--layouts", nargs="+", default=["flat"], choices=["flat", "mlp", "vit"],
                    help="flat: one array per size; mlp: the same values as four leaves split "
-                        "as the kernels of an MLP 784-2048-2048-2048-10 (a gradient pytree)")
+                        "as the kernels of an MLP 784-2048-2048-2048-10 (a gradient pytree); "
+                        "vit: as the 80 leaves of bench train's 19M-parameter ViT")
     p.add_argument("--algorithms", nargs="+", default=["sra"],
                    choices=["sra", "ring", "allgather", "auto", "hierarchical", "sra-wire"],
                    help="compressed_psum algorithms to time; hierarchical: exact inside a "
@@ -576,6 +599,12 @@ def main(argv=None) -> int:
     problem = argument_problem(args.link, args.netns_prefix, args.subnet)
     if problem:
         parser.error(problem)
+    for layout in args.layouts:
+        for size in args.sizes:
+            try:
+                leaf_sizes(layout, size)
+            except ValueError as err:
+                parser.error(str(err))
     if args.plot:
         import importlib.util
         if importlib.util.find_spec("matplotlib") is None:
