@@ -11,9 +11,9 @@ def allgather_reduce(bufs, lengths, axis_name, index, num_participants, seeds, c
                      local_error=False, divisor=1):
     """All-gather of the segments ``bufs`` (each seen as one row of ``length`` values, which
     the buffer may fall short of; ``seeds`` one ``[2, 2]`` pair and ``codecs`` one codec per
-    segment): quantize each
-    segment once, gather every participant's packets (one packet per segment, one after the
-    other), decode and sum all of them (the own one decoded too, so replicas stay identical).
+    segment): quantize each segment once, gather every participant's packets (one packet per
+    segment, one after the other), decode and sum all of them (the own one decoded too, so
+    replicas stay identical).
     Traffic: N-1 packets per participant; each value quantized once.
 
     Returns the segments' f32 sums (each as long as its buffer, times ``f32(1/divisor)``) and,
