@@ -71,7 +71,8 @@ def leaf_sizes(layout: str, size: int) -> list[int]:
     if layout == "flat":
         return [size]
     weights = MLP_KERNELS if layout == "mlp" else vit_leaves()
-    sizes = [max(1, size * w // sum(weights)) for w in weights[:-1]]
+    total = sum(weights)
+    sizes = [max(1, size * w // total) for w in weights[:-1]]
     if size - sum(sizes) < 1:
         raise ValueError(f"--sizes {size} is too small for the {layout} layout's "
                          f"{len(weights)} leaves")
