@@ -11,6 +11,7 @@ group with its own noise (``cgx_jax.seeds``), and the exact leaves go through on
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import jax
@@ -161,6 +162,8 @@ def reduce_tree(x, axis_name, *, codec=None, policy=None, key=None, algorithm="a
     groups, exact = fusion.group_by_codec(leaves, codecs)
     if groups:
         memory.keep_freed_memory_on_cpu()  # reuse warm host pages step to step (memory.py)
+    elif codec is None and policy.default is not None:
+        _warn_nothing_compressed(policy, leaves)
 
     if any(c.stochastic for c in groups) and key is None:
         paths = [path_name(p) for p, _ in flat_with_paths]
@@ -227,6 +230,23 @@ def reduce_tree(x, axis_name, *, codec=None, policy=None, key=None, algorithm="a
     return result
 
 
+def _warn_nothing_compressed(policy: LayerPolicy, leaves) -> None:
+    """Warns (at trace time) when the policy leaves every floating leaf exact: the caller
+    asked for a compressed all-reduce and would otherwise get an exact one without a word
+    (a flat 1-D gradient buffer under the default policy, a model of small layers)."""
+    floating = [leaf for leaf in leaves if is_compressible(leaf) and leaf.size]
+    if not floating:
+        return
+    largest = max(floating, key=lambda leaf: leaf.size)
+    warnings.warn(
+        f"cgx: no leaf is compressed, so this all-reduce is exact: every floating leaf "
+        f"({len(floating)}, the largest of shape {tuple(largest.shape)}) has fewer than "
+        f"min_ndim={policy.min_ndim} dimensions or min_size={policy.min_size} values under "
+        f"the policy, or is excluded. Pass codec=cgx.Codec() to compress every floating "
+        f"leaf, or a cgx.LayerPolicy with a lower min_size or min_ndim.",
+        UserWarning, stacklevel=4)
+
+
 def compressed_psum(x, axis_name, *, codec: Codec | None = None,
                     policy: LayerPolicy | None = None, key=None, algorithm: str = "auto",
                     inner_axis_name=None, backend: str = "ffi") -> Any:
@@ -235,7 +255,8 @@ def compressed_psum(x, axis_name, *, codec: Codec | None = None,
     Call it inside ``jax.pmap``/``jax.shard_map`` with ``axis_name`` bound (a name or a tuple
     of mesh axes reduced as one group). ``codec=`` compresses every floating leaf with one
     codec; ``policy=`` decides per leaf; neither means ``LayerPolicy()`` (small, 1-D and
-    non-floating leaves exact). Exact leaves go through ``lax.psum``. The output has the
+    non-floating leaves exact: a flat 1-D array needs ``codec=``; a call in which the policy
+    compresses no leaf warns). Exact leaves go through ``lax.psum``. The output has the
     input's structure, shapes and dtypes; sums accumulate in f32. Stochastic rounding needs
     ``key`` (fold in the step; replicas' noise is made independent inside). Under
     ``jax.grad`` it acts as an exact ``psum`` (straight-through estimator).

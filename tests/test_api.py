@@ -7,6 +7,7 @@ algorithms themselves are tested in test_collectives.py, the default policy in t
 """
 
 import resource
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +42,53 @@ def test_pmap_matches_shard_map_and_same_key_same_bytes():
     other_key = run_sharded(
         lambda x: cgx.compressed_psum(x, "batch", codec=codec, key=jax.random.key(43)), inputs, 8)
     assert not np.array_equal(np.asarray(other_key), np.asarray(via_shard_map))
+
+
+@pytest.mark.parametrize("case, warns", [
+    ("flat 1-D array, default policy", True),
+    ("small layers, default policy", True),
+    ("small layers, compressed_allreduce", True),
+    ("flat 1-D array, codec=", False),
+    ("a matrix, default policy", False),
+    ("integer leaves only", False),
+    ("policy that compresses nothing by choice", False),
+])
+def test_warns_when_the_policy_compresses_no_leaf(case, warns):
+    """A compressed all-reduce that the policy turned into an exact one says so (a flat
+    gradient buffer is 1-D, so the default policy keeps it exact), naming the largest leaf;
+    it stays silent when something is compressed or the policy compresses nothing by choice."""
+    key = jax.random.key(0)
+    small = {"w": jnp.ones((1, 8, 8)), "b": jnp.ones((1, 8))}
+    calls = {
+        "flat 1-D array, default policy": (lambda x: cgx.compressed_psum(x, "i", key=key),
+                                           jnp.ones((1, 1 << 16))),
+        "small layers, default policy": (lambda x: cgx.compressed_pmean(x, "i", key=key), small),
+        "small layers, compressed_allreduce": (
+            lambda x: cgx.compressed_allreduce("i").update(x, cgx.compressed_allreduce("i").init(
+                x))[0], small),
+        "flat 1-D array, codec=": (lambda x: cgx.compressed_psum(x, "i", codec=NEAREST),
+                                   jnp.ones((1, 1 << 16))),
+        "a matrix, default policy": (lambda x: cgx.compressed_psum(x, "i", key=key),
+                                     jnp.ones((1, 256, 256))),
+        "integer leaves only": (lambda x: cgx.compressed_psum(x, "i"),
+                                jnp.ones((1, 1 << 16), jnp.int32)),
+        "policy that compresses nothing by choice": (
+            lambda x: cgx.compressed_psum(x, "i", policy=cgx.LayerPolicy(default=None)),
+            jnp.ones((1, 1 << 16))),
+    }
+    fn, x = calls[case]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = jax.pmap(fn, axis_name="i", devices=CPU[:1])(x)
+    messages = [str(w.message) for w in caught if "no leaf is compressed" in str(w.message)]
+    assert jax.tree.map(jnp.shape, out) == jax.tree.map(jnp.shape, x)
+    if not warns:
+        assert messages == []
+        return
+    assert len(messages) == 1, messages
+    largest = "(65536,)" if "flat" in case else "(8, 8)"
+    assert f"the largest of shape {largest}" in messages[0]
+    assert "codec=cgx.Codec()" in messages[0]
 
 
 def test_pytree_mixed_dtypes_scalars_empty_and_integer_leaves():
