@@ -74,16 +74,16 @@ def compressed_allreduce(axis_name, *, policy: LayerPolicy | None = None, mean: 
     Example:
         >>> import jax, jax.numpy as jnp, optax, cgx_jax as cgx
         >>> tx = optax.chain(cgx.compressed_allreduce("batch"), optax.sgd(0.1))
-        >>> params = {"w": jnp.ones((1, 4))}
+        >>> params = {"w": jnp.ones((128, 128))}  # 16,384 values: the default policy compresses it
         >>> def step(params, state, grads):
         ...     updates, state = tx.update(grads, state, params)
         ...     return optax.apply_updates(params, updates), state
         >>> state = tx.init(params)
         >>> new, state = jax.pmap(step, axis_name="batch")(
         ...     jax.tree.map(lambda p: p[None], params), jax.tree.map(lambda s: s[None], state),
-        ...     {"w": jnp.ones((1, 1, 4))})
+        ...     {"w": jnp.ones((1, 128, 128))})
         >>> new["w"].shape
-        (1, 1, 4)
+        (1, 128, 128)
     """
     policy = LayerPolicy() if policy is None else policy
     if not isinstance(policy, LayerPolicy):
