@@ -240,7 +240,7 @@ def _warn_nothing_compressed(policy: LayerPolicy, leaves) -> None:
     largest = max(floating, key=lambda leaf: leaf.size)
     warnings.warn(
         f"cgx: no leaf is compressed, so this all-reduce is exact: every floating leaf "
-        f"({len(floating)}, the largest of shape {tuple(largest.shape)}) has fewer than "
+        f"({len(floating)} of them, the largest of shape {tuple(largest.shape)}) has fewer than "
         f"min_ndim={policy.min_ndim} dimensions or min_size={policy.min_size} values under "
         f"the policy, or is excluded. Pass codec=cgx.Codec() to compress every floating "
         f"leaf, or a cgx.LayerPolicy with a lower min_size or min_ndim.",

@@ -59,13 +59,12 @@ def test_warns_when_the_policy_compresses_no_leaf(case, warns):
     it stays silent when something is compressed or the policy compresses nothing by choice."""
     key = jax.random.key(0)
     small = {"w": jnp.ones((1, 8, 8)), "b": jnp.ones((1, 8))}
+    tx = cgx.compressed_allreduce("i")
     calls = {
         "flat 1-D array, default policy": (lambda x: cgx.compressed_psum(x, "i", key=key),
                                            jnp.ones((1, 1 << 16))),
         "small layers, default policy": (lambda x: cgx.compressed_pmean(x, "i", key=key), small),
-        "small layers, compressed_allreduce": (
-            lambda x: cgx.compressed_allreduce("i").update(x, cgx.compressed_allreduce("i").init(
-                x))[0], small),
+        "small layers, compressed_allreduce": (lambda x: tx.update(x, tx.init(x))[0], small),
         "flat 1-D array, codec=": (lambda x: cgx.compressed_psum(x, "i", codec=NEAREST),
                                    jnp.ones((1, 1 << 16))),
         "a matrix, default policy": (lambda x: cgx.compressed_psum(x, "i", key=key),
