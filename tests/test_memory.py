@@ -39,13 +39,14 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def faults_of_second_block(setting):
+def faults_of_last_call(script, setting):
+    """The page faults of the last call ``script`` prints, run in a fresh CPU process."""
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)
     env["JAX_PLATFORMS"] = "cpu"  # the setting is for CPU processes (none on a GPU backend)
     if setting is not None:
         env["CGX_JAX_KEEP_FREED_MEMORY"] = setting
-    done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           env=env, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     return int(done.stdout.split()[-1])
@@ -54,8 +55,53 @@ def faults_of_second_block(setting):
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc only")
 def test_freed_blocks_are_reused_unless_opted_out():
     pages = (64 << 20) // os.sysconf("SC_PAGE_SIZE")
-    assert faults_of_second_block(None) < pages // 100  # warm pages: next to no faults
-    assert faults_of_second_block("0") > pages // 2  # glibc's fresh mmap: every page
+    assert faults_of_last_call(SCRIPT, None) < pages // 100  # warm pages: next to no faults
+    assert faults_of_last_call(SCRIPT, "0") > pages // 2  # glibc's fresh mmap: every page
+
+
+WORKER_THREAD = textwrap.dedent("""
+    import ctypes, resource, threading
+    import cgx_jax  # nothing else: the import alone applies the setting on a CPU-only JAX
+    libc = ctypes.CDLL("libc.so.6")
+    libc.malloc.restype = ctypes.c_void_p
+    size = 64 << 20
+    faults = []
+    def touch_fresh_blocks():  # as an XLA worker thread allocates a large output
+        for _ in range(2):
+            block = libc.malloc(size)
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            ctypes.memset(block, 1, size)
+            faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+            libc.free(ctypes.c_void_p(block))
+    worker = threading.Thread(target=touch_fresh_blocks)
+    worker.start()
+    worker.join()
+    print(faults[-1])
+""")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc only")
+def test_import_on_a_cpu_only_jax_reaches_threads_started_later():
+    # A thread's own glibc arena maps blocks this large afresh every call (its heaps hold at
+    # most 64 MiB); with one arena they come from the main heap, which keeps them.
+    pages = (64 << 20) // os.sysconf("SC_PAGE_SIZE")
+    assert faults_of_last_call(WORKER_THREAD, None) < pages // 100
+    assert faults_of_last_call(WORKER_THREAD, "0") > pages // 2
+
+
+def test_cpu_only_is_judged_from_jax_platforms():
+    cases = {"cpu": True, "cpu,cuda": True, "cuda,cpu": False, "tpu": False}
+    script = textwrap.dedent(f"""
+        import jax
+        from cgx_jax import memory
+        for platforms in {list(cases)!r}:  # no backend has started in this process
+            jax.config.update("jax_platforms", platforms)
+            print(memory.jax_runs_on_cpu_only())
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == [str(v) for v in cases.values()]
 
 
 def test_bad_threshold_is_refused():
