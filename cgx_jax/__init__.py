@@ -13,14 +13,11 @@ from cgx_jax.codec import Codec, packet_bytes, wire_bytes
 from cgx_jax.backends.ffi import has_cuda_support
 from cgx_jax.optax_transform import (CompressedAllReduceState, compressed_allreduce,
                                      shard_state, state_specs)
-from cgx_jax import memory
 from cgx_jax.memory import keep_freed_memory
 from cgx_jax.vma import local_value_and_grad
 from cgx_jax.policy import LayerPolicy, leaf_paths, summary, tree_wire_bytes
 
 __version__ = "0.1.0"
-
-memory.keep_freed_memory_at_import()  # before JAX starts its CPU threads (cgx_jax/memory.py)
 
 __all__ = [
     "AdaptiveConfig",

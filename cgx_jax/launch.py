@@ -99,8 +99,9 @@ def initialize(exit_on_exception: bool | None = None) -> tuple[int, int]:
     """
     import jax
 
-    from cgx_jax.memory import keep_freed_memory_on_cpu
+    from cgx_jax.memory import keep_freed_memory_before_jax_starts, keep_freed_memory_on_cpu
 
+    keep_freed_memory_before_jax_starts()  # the one moment that reaches XLA's threads
     # Without this, CPU computations that span processes fail ("no cross-process
     # collectives implementation"); the GPU and TPU backends ignore it.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")

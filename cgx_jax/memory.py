@@ -6,23 +6,24 @@ default) with a fresh ``mmap``, so a training step whose gradients or fused buff
 it page-faults and zeroes every page of them again on every call: a 16M-value f32
 all-reduce result alone is 16,384 page faults per call, about 80 ms of a 270 ms compressed
 all-reduce measured across 4 processes on 2 cores. Raising the mmap and trim thresholds
-keeps freed blocks in the process, so the next step reuses warm pages. That reaches only
-the main heap: XLA's worker threads allocate from glibc's per-thread arenas, whose heaps
-hold at most 64 MiB, so their larger blocks are mapped afresh every call whatever the
-thresholds (four simulated devices, each all-reducing 16M values: 65,540 faults and 130 ms
-per call, 0 and 59 ms with one arena). So the setting also limits glibc to one arena,
-which reaches only threads that have not allocated yet: it has to come before JAX starts
-its CPU backend.
+keeps freed blocks in the process, so the next step reuses warm pages.
 
-The library does this itself, once per process: when ``cgx_jax`` is imported where JAX can
-only run on the CPU (``JAX_PLATFORMS=cpu``, or no accelerator plugin installed), when a
-compressed collective is traced on the CPU backend (too late for the arena of threads
-that already allocated), and in ``cgx_jax.launch.initialize``. It only changes where
-blocks come from and when freed memory goes back to the system: the peak stays what the
-program needs, and the process keeps up to ``threshold`` bytes of freed blocks instead of
-unmapping them. Set the environment variable ``CGX_JAX_KEEP_FREED_MEMORY=0`` to keep
-glibc's defaults. Nothing happens off Linux/glibc or on GPU and TPU backends, whose large
-buffers are not host ``malloc`` blocks.
+That reaches only the main heap. XLA's worker threads allocate from glibc's per-thread
+arenas, whose heaps hold at most 64 MiB, so their larger blocks are mapped afresh every
+call whatever the thresholds; one arena for the whole process fixes that, but only for
+threads that have not allocated yet (so before JAX starts its backend), and it makes every
+thread take one allocator lock: in a process simulating 8 devices, the example ViT's small
+steps ran 2x slower with it. So the arena limit is applied only by
+``cgx_jax.launch.initialize`` (which runs before JAX starts) in a process with one CPU
+device, the data-parallel layout across processes, where it measured faster.
+
+The library applies the thresholds itself, once per process: when a compressed collective
+is traced on the CPU backend, and in ``launch.initialize``. It only changes where blocks
+come from and when freed memory goes back to the system: the peak stays what the program
+needs, and the process keeps up to ``threshold`` bytes of freed blocks instead of unmapping
+them. Set the environment variable ``CGX_JAX_KEEP_FREED_MEMORY=0`` to keep glibc's
+defaults. Nothing happens off Linux/glibc or on GPU and TPU backends, whose large buffers
+are not host ``malloc`` blocks.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import importlib.metadata
 import importlib.util
 import os
 import pkgutil
+import re
 
 ENV = "CGX_JAX_KEEP_FREED_MEMORY"
 DEFAULT_THRESHOLD = 1 << 30
@@ -39,12 +41,12 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8
 _applied = False
 
 
-def keep_freed_memory(threshold: int = DEFAULT_THRESHOLD) -> bool:
+def keep_freed_memory(threshold: int = DEFAULT_THRESHOLD, *, one_arena: bool = False) -> bool:
     """Makes glibc keep freed blocks of up to ``threshold`` bytes in the process (``mallopt``
-    mmap and trim thresholds) instead of unmapping them, and serve every thread from that
-    one heap (one arena; threads that already allocated keep theirs, so call it before
-    JAX's first computation); returns whether it was applied (False off glibc, or when
-    ``CGX_JAX_KEEP_FREED_MEMORY=0``).
+    mmap and trim thresholds) instead of unmapping them; with ``one_arena``, also serve every
+    thread from that one heap (threads that already allocated keep their arena, so call it
+    before JAX's first computation; all threads then share one allocator lock). Returns
+    whether it was applied (False off glibc, or when ``CGX_JAX_KEEP_FREED_MEMORY=0``).
 
     Example:
         >>> import cgx_jax as cgx
@@ -62,8 +64,10 @@ def keep_freed_memory(threshold: int = DEFAULT_THRESHOLD) -> bool:
     except (OSError, AttributeError):
         return False
     # mallopt returns 1 on success (0 for a value glibc does not accept).
-    _applied = all([mallopt(_M_TRIM_THRESHOLD, threshold), mallopt(_M_MMAP_THRESHOLD, threshold),
-                    mallopt(_M_ARENA_MAX, 1)])
+    settings = [(_M_TRIM_THRESHOLD, threshold), (_M_MMAP_THRESHOLD, threshold)]
+    if one_arena:
+        settings.append((_M_ARENA_MAX, 1))
+    _applied = all([mallopt(option, value) for option, value in settings])
     return _applied
 
 
@@ -98,8 +102,21 @@ def jax_runs_on_cpu_only() -> bool:
     return importlib.util.find_spec("libtpu") is None
 
 
-def keep_freed_memory_at_import() -> None:
-    """``keep_freed_memory()`` when ``cgx_jax`` is imported where JAX runs on the CPU only:
-    usually before JAX has started its backend, the one moment that reaches its threads."""
-    if not _applied and jax_runs_on_cpu_only():
-        keep_freed_memory()
+def cpu_devices_per_process() -> int:
+    """The CPU devices this process will have, read without starting a backend
+    (``jax_num_cpu_devices``, else ``--xla_force_host_platform_device_count`` in
+    ``XLA_FLAGS``, else 1)."""
+    import jax
+
+    if jax.config.jax_num_cpu_devices > 0:
+        return jax.config.jax_num_cpu_devices
+    found = re.search(r"--xla_force_host_platform_device_count=(\d+)",
+                      os.environ.get("XLA_FLAGS", ""))
+    return int(found.group(1)) if found else 1
+
+
+def keep_freed_memory_before_jax_starts() -> None:
+    """What ``launch.initialize`` applies before JAX starts, where JAX runs on the CPU only:
+    the thresholds, and one arena when the process has one CPU device."""
+    if jax_runs_on_cpu_only():
+        keep_freed_memory(one_arena=cpu_devices_per_process() == 1)

@@ -39,9 +39,9 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def faults_of_last_call(script, setting):
+def faults_of_last_call(script, setting, **variables):
     """The page faults of the last call ``script`` prints, run in a fresh CPU process."""
-    env = dict(os.environ)
+    env = dict(os.environ, **variables)
     env.pop("XLA_FLAGS", None)
     env["JAX_PLATFORMS"] = "cpu"  # the setting is for CPU processes (none on a GPU backend)
     if setting is not None:
@@ -61,7 +61,9 @@ def test_freed_blocks_are_reused_unless_opted_out():
 
 WORKER_THREAD = textwrap.dedent("""
     import ctypes, resource, threading
-    import cgx_jax  # nothing else: the import alone applies the setting on a CPU-only JAX
+    import os, cgx_jax
+    if os.environ["ONE_ARENA"] == "1":  # as launch.initialize does for one CPU device
+        cgx_jax.keep_freed_memory(one_arena=True)
     libc = ctypes.CDLL("libc.so.6")
     libc.malloc.restype = ctypes.c_void_p
     size = 64 << 20
@@ -81,15 +83,16 @@ WORKER_THREAD = textwrap.dedent("""
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc only")
-def test_import_on_a_cpu_only_jax_reaches_threads_started_later():
+def test_one_arena_reaches_threads_started_later():
     # A thread's own glibc arena maps blocks this large afresh every call (its heaps hold at
     # most 64 MiB); with one arena they come from the main heap, which keeps them.
     pages = (64 << 20) // os.sysconf("SC_PAGE_SIZE")
-    assert faults_of_last_call(WORKER_THREAD, None) < pages // 100
-    assert faults_of_last_call(WORKER_THREAD, "0") > pages // 2
+    assert faults_of_last_call(WORKER_THREAD, None, ONE_ARENA="1") < pages // 100
+    assert faults_of_last_call(WORKER_THREAD, None, ONE_ARENA="0") > pages // 2
+    assert faults_of_last_call(WORKER_THREAD, "0", ONE_ARENA="1") > pages // 2  # opted out
 
 
-def test_cpu_only_is_judged_from_jax_platforms():
+def test_what_launch_applies_is_judged_before_jax_starts():
     cases = {"cpu": True, "cpu,cuda": True, "cuda,cpu": False, "tpu": False}
     script = textwrap.dedent(f"""
         import jax
@@ -97,11 +100,15 @@ def test_cpu_only_is_judged_from_jax_platforms():
         for platforms in {list(cases)!r}:  # no backend has started in this process
             jax.config.update("jax_platforms", platforms)
             print(memory.jax_runs_on_cpu_only())
+        print(memory.cpu_devices_per_process())
+        jax.config.update("jax_num_cpu_devices", 3)
+        print(memory.cpu_devices_per_process())
     """)
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=120)
+                          env=env, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.split() == [str(v) for v in cases.values()]
+    assert done.stdout.split() == [str(v) for v in cases.values()] + ["8", "3"]
 
 
 def test_bad_threshold_is_refused():
