@@ -258,7 +258,7 @@ void quantize_range(const QuantizeJob& job, int64_t begin, int64_t end) {
       values = padded_bucket(x, first, job.x_count, p.bucket_size, padded.get());
     }
     quantize_bucket<Tag, true>(values, p, static_cast<uint32_t>(first), bucket, packet,
-                         codes_of(packet, nb, bucket, cbytes), levels.get());
+                               codes_of(packet, nb, bucket, cbytes), levels.get());
   }
 }
 
