@@ -37,8 +37,8 @@ import sys
 import textwrap
 import time
 
-from cgx_jax.bench.common import (add_report_arguments, add_worker_arguments, parse_size,
-                                  run_links, size_label)
+from cgx_jax.bench.common import (add_report_arguments, add_worker_arguments, cpu_description,
+                                  parse_size, run_links, size_label)
 from cgx_jax.netem import argument_problem, parse_rate, shaped_network
 
 NS_PREFIX = "cgxbench"
@@ -430,6 +430,7 @@ def write_reports(result: dict, args) -> None:
     title = (f"all-reduce, {result['processes']} processes x {result['devices_per_process']} "
              f"devices, median of {result['repeats']}; algbw = 2(N-1)/N * 4 B * size / time")
     print(f"# {title}")
+    print(f"# CPU: {cpu_description()}")
     for note in result["notes"]:
         print(f"# {note}")
     print(format_table(rows))

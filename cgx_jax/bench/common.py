@@ -4,6 +4,8 @@ one link rate after another with a clean stop (docs/design.md section 9)."""
 from __future__ import annotations
 
 import argparse
+import os
+import platform
 import re
 import shutil
 import signal
@@ -36,6 +38,36 @@ def size_label(size: int) -> str:
     return str(size)
 
 
+def cpu_description() -> str:
+    """This machine's CPU as benchmarks name it: vendor, family, model, name, core count and
+    the variant of the kernels' loops this process uses (from ``/proc/cpuinfo`` on Linux).
+
+    Example:
+        >>> "loops isa_" in cpu_description()
+        True
+    """
+    info = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, sep, value = line.partition(":")
+                if sep and key.strip() not in info:
+                    info[key.strip()] = value.strip()
+    except OSError:
+        pass
+    if "vendor_id" in info:  # x86
+        parts = [info["vendor_id"], f"family {info.get('cpu family', '?')}",
+                 f"model {info.get('model', '?')}", info.get("model name", "")]
+    elif "CPU implementer" in info:  # aarch64: implementer and part numbers
+        parts = [f"implementer {info['CPU implementer']}", f"part {info.get('CPU part', '?')}"]
+    else:
+        parts = [platform.processor() or platform.machine()]
+    from cgx_jax import _cgx_cpu
+
+    parts += [f"{os.cpu_count()} cores", f"loops {_cgx_cpu.cpu_isa()}"]
+    return ", ".join(p for p in parts if p)
+
+
 def median_seconds(fn, repeats: int, calls: int = 1, warmup: int = 3) -> float:
     """Median seconds per call of ``fn()`` over ``repeats`` runs after ``warmup`` calls (the
     first calls also pay for compiling and for first-touching XLA's output buffers). A run
@@ -57,6 +89,10 @@ def median_seconds(fn, repeats: int, calls: int = 1, warmup: int = 3) -> float:
             out = fn()
         jax.block_until_ready(out)
         times.append((time.perf_counter() - start) / calls)
+        # Freed before the next run, as a loop that consumes its results frees them: two
+        # large outputs alive at once make glibc alternate between fresh mappings, and the
+        # page faults (up to 25 ms for a 64 MB output here) would be timed as the kernel's.
+        del out
     return statistics.median(times)
 
 

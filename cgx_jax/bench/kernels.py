@@ -1,9 +1,12 @@
-"""Kernel throughput: ``python -m cgx_jax.bench kernels [--sizes ...] [--bits ...] [--json PATH]``.
+"""Kernel throughput: ``python -m cgx_jax.bench kernels [--sizes ...] [--bits ...] [--isa all]
+[--json PATH]``.
 
 Every figure is reported next to a baseline measured in the same run: a memcpy of the same
 f32 buffer on CPU (numpy, one thread), a device-to-device copy on GPU. Throughput is GB/s of
 f32 input (4 bytes per value the kernel encodes, decodes or reduces), so a ratio of 1.0 means
-"as fast as copying the uncompressed gradient once".
+"as fast as copying the uncompressed gradient once". On CPU, ``--isa all`` times every
+instruction-set variant of the loops this CPU runs, each in its own process (the variant is
+chosen once per process, CGX_JAX_CPU_ISA), one table after another.
 """
 
 from __future__ import annotations
@@ -12,13 +15,15 @@ import argparse
 import json
 import os
 import platform
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from cgx_jax.backends import ffi
-from cgx_jax.bench.common import median_seconds, parse_size
+from cgx_jax.bench.common import cpu_description, median_seconds, parse_size
 from cgx_jax.memory import keep_freed_memory_on_cpu
 from cgx_jax.codec import Codec, packet_bytes
 
@@ -94,6 +99,9 @@ def main(argv=None) -> int:
     parser.add_argument("--peers", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--platform", default=None, help="cpu or gpu (default: JAX's default)")
+    parser.add_argument("--isa", default="auto",
+                        help="CPU loops: auto (the library's choice), generic, avx2, avx512, "
+                             "or all (every variant this CPU runs, one process each)")
     parser.add_argument("--json", default=None, help="also write the rows as JSON to this path")
     args = parser.parse_args(argv)
     if args.peers < 1:
@@ -106,19 +114,49 @@ def main(argv=None) -> int:
     if bad_bits:
         parser.error(f"--bits must be 1..8, got {bad_bits}")
 
+    from cgx_jax import _cgx_cpu
+
+    variants = [v.removeprefix("isa_") for v in _cgx_cpu.cpu_variants()]
+    if args.isa == "all":
+        return _run_each_variant(argv if argv is not None else sys.argv[1:], variants)
+    if args.isa != "auto":
+        if args.isa not in variants:
+            parser.error(f"--isa {args.isa} does not run on this CPU; it runs {variants} or all")
+        if os.environ.get("CGX_JAX_CPU_ISA") != args.isa:  # chosen at the first kernel call
+            return _run_each_variant(argv if argv is not None else sys.argv[1:], [args.isa])
+
     keep_freed_memory_on_cpu()  # what the library applies in a process using it
     device = jax.devices(args.platform)[0] if args.platform else jax.devices()[0]
     sizes = [s - s % (1024 * args.peers) for s in args.sizes]
     rows = kernel_rows(sizes, args.bits, args.peers, args.repeats, device, args.rounding)
     threads = os.environ.get("CGX_JAX_CPU_THREADS", "all")
-    from cgx_jax import _cgx_cpu
-
     print(f"# cgx_jax kernels on {device.device_kind} ({device.platform}), "
           f"{platform.machine()} CPU loops {_cgx_cpu.cpu_isa()}, CGX_JAX_CPU_THREADS={threads}, "
           "bucket 1024; GB/s of f32 input "
           f"(reduce_requantize: N={args.peers} chunks of size/N)")
+    print(f"# CPU: {cpu_description()}")
     print(format_table(rows))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(device=str(device), threads=threads, rows=rows), f, indent=2)
+            json.dump(dict(device=str(device), cpu=cpu_description(), threads=threads,
+                           rows=rows), f, indent=2)
     return 0
+
+
+def _run_each_variant(argv: list[str], variants: list[str]) -> int:
+    """Runs this benchmark once per variant, each in a process of its own."""
+    status = 0
+    for isa in variants:
+        args = list(argv)
+        if "--isa" in args:
+            i = args.index("--isa")
+            args[i + 1] = isa
+        else:
+            args += ["--isa", isa]
+        if "--json" in args:  # one file per variant: PATH -> PATH.isa
+            i = args.index("--json")
+            args[i + 1] = f"{args[i + 1]}.{isa}"
+        env = dict(os.environ, CGX_JAX_CPU_ISA=isa)
+        status |= subprocess.run([sys.executable, "-m", "cgx_jax.bench", "kernels", *args],
+                                 env=env).returncode
+    return status

@@ -36,7 +36,8 @@ import os
 import sys
 import time
 
-from cgx_jax.bench.common import add_report_arguments, add_worker_arguments, run_links
+from cgx_jax.bench.common import (add_report_arguments, add_worker_arguments, cpu_description,
+                                  run_links)
 from cgx_jax.netem import argument_problem, shaped_network
 
 NS_PREFIX = "cgxtrain"
@@ -350,6 +351,7 @@ def write_reports(result: dict, args) -> None:
     title = (f"training steps, {result['processes']} processes, batch {result['batch']} per "
              f"process, Adam, median of {result['repeats']} steps after {result['warmup']}")
     print(f"# {title}")
+    print(f"# CPU: {cpu_description()}")
     for note in result["notes"]:
         print(f"# {note}")
     print(format_table(rows))

@@ -6,9 +6,10 @@
 #include <algorithm>
 #include <cstring>
 #include <memory>
+#include <type_traits>
 
-#if defined(__BMI2__)
-#include <immintrin.h>
+#if defined(__SSE2__) && !defined(__AVX2__)
+#include <emmintrin.h>
 #endif
 
 #include "codec.h"
@@ -21,22 +22,39 @@ namespace cgx {
 namespace CGX_ISA {
 namespace {
 
-// Eight floats as one vector (GCC/Clang vector extensions: one AVX register, two SSE ones).
-// Written out because compilers do not vectorize a float min/max reduction on their own.
-typedef float Floats8 __attribute__((vector_size(32), aligned(4), may_alias));
-typedef int32_t Ints8 __attribute__((vector_size(32), aligned(4)));
+// One native vector of floats (GCC/Clang vector extensions), written out because compilers
+// do not vectorize a float min/max reduction on their own: eight lanes in the AVX2 and
+// AVX-512 variants, four in the generic one (SSE2 on x86-64, NEON on aarch64), whose
+// registers are 16 bytes wide; a wider type there would be split and spilled to the stack
+// on every iteration. Buckets hold a multiple of 8 values, so of kLanes too.
+#if defined(__AVX2__)
+constexpr int kLanes = 8;
+#else
+constexpr int kLanes = 4;
+#endif
+typedef float Floats __attribute__((vector_size(4 * kLanes), aligned(4), may_alias));
+typedef int32_t Ints __attribute__((vector_size(4 * kLanes), aligned(4)));
+typedef uint32_t Uints __attribute__((vector_size(4 * kLanes), aligned(4)));
+typedef uint16_t Halves __attribute__((vector_size(2 * kLanes), aligned(2), may_alias));
 
 template <typename Tag>
-Floats8 load8(const typename Tag::storage* x, int64_t j) {
-  Floats8 v;
-  for (int k = 0; k < 8; ++k) v[k] = load_as_float(x, j + k, Tag{});
+Floats load_floats(const typename Tag::storage* x, int64_t j) {
+  Floats v;
+  for (int k = 0; k < kLanes; ++k) v[k] = load_as_float(x, j + k, Tag{});
   return v;
 }
 
 // An unaligned vector load (the type is only 4-byte aligned and may alias floats).
 template <>
-Floats8 load8<F32>(const float* x, int64_t j) {
-  return *reinterpret_cast<const Floats8*>(x + j);
+Floats load_floats<F32>(const float* x, int64_t j) {
+  return *reinterpret_cast<const Floats*>(x + j);
+}
+
+// bf16 is the top half of an f32: widen and shift, lane by lane in one vector.
+template <>
+Floats load_floats<BF16>(const uint16_t* x, int64_t j) {
+  const Uints wide = __builtin_convertvector(*reinterpret_cast<const Halves*>(x + j), Uints) << 16;
+  return reinterpret_cast<const Floats&>(wide);
 }
 
 // Asks for the cache line holding x[j + size], the same place in the next bucket, once per
@@ -55,22 +73,38 @@ void prefetch_next_bucket(const T* x, int64_t j, int64_t size) {
 template <typename Tag, bool kPrefetchNext = false>
 void bucket_range(const typename Tag::storage* x, int64_t size, float* mn_out, float* mx_out,
                   bool* finite_out) {
-  Floats8 lo = load8<Tag>(x, 0), hi = lo;
-  Ints8 nonfinite = {0, 0, 0, 0, 0, 0, 0, 0};
-  const Ints8 exponent = {0x7F800000, 0x7F800000, 0x7F800000, 0x7F800000,
-                          0x7F800000, 0x7F800000, 0x7F800000, 0x7F800000};
-  for (int64_t j = 0; j < size; j += 8) {
-    if (kPrefetchNext) prefetch_next_bucket(x, j, size);
-    const Floats8 v = load8<Tag>(x, j);
-    lo = v < lo ? v : lo;
-    hi = v > hi ? v : hi;
-    nonfinite |= (reinterpret_cast<const Ints8&>(v) & exponent) == exponent;
+  // Four sets of accumulators, so the min/max latency chains of consecutive vectors
+  // overlap (with one set the loop ran at the latency of minps, not its throughput).
+  constexpr int kChains = 4;
+  const Ints exponent = Ints{} + 0x7F800000;
+  Floats lo[kChains], hi[kChains];
+  Ints nonfinite = {};
+  for (int c = 0; c < kChains; ++c) lo[c] = hi[c] = load_floats<Tag>(x, 0);
+  int64_t j = 0;
+  for (; j + kChains * kLanes <= size; j += kChains * kLanes) {
+    for (int c = 0; c < kChains; ++c) {
+      if (kPrefetchNext) prefetch_next_bucket(x, j + c * kLanes, size);
+      const Floats v = load_floats<Tag>(x, j + c * kLanes);
+      lo[c] = v < lo[c] ? v : lo[c];
+      hi[c] = v > hi[c] ? v : hi[c];
+      nonfinite |= (reinterpret_cast<const Ints&>(v) & exponent) == exponent;
+    }
   }
-  float mn = lo[0], mx = hi[0];
+  for (; j < size; j += kLanes) {  // the last vectors of a bucket of 8, 16 or 24 values
+    const Floats v = load_floats<Tag>(x, j);
+    lo[0] = v < lo[0] ? v : lo[0];
+    hi[0] = v > hi[0] ? v : hi[0];
+    nonfinite |= (reinterpret_cast<const Ints&>(v) & exponent) == exponent;
+  }
+  for (int c = 1; c < kChains; ++c) {
+    lo[0] = lo[c] < lo[0] ? lo[c] : lo[0];
+    hi[0] = hi[c] > hi[0] ? hi[c] : hi[0];
+  }
+  float mn = lo[0][0], mx = hi[0][0];
   int32_t bad = nonfinite[0];
-  for (int k = 1; k < 8; ++k) {
-    mn = lo[k] < mn ? lo[k] : mn;
-    mx = hi[k] > mx ? hi[k] : mx;
+  for (int k = 1; k < kLanes; ++k) {
+    mn = lo[0][k] < mn ? lo[0][k] : mn;
+    mx = hi[0][k] > mx ? hi[0][k] : mx;
     bad |= nonfinite[k];
   }
   *mn_out = mn;
@@ -81,42 +115,112 @@ void bucket_range(const typename Tag::storage* x, int64_t size, float* mn_out, f
 static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "packets are packed little-endian");
 
 // ---------------------------------------------------------------------------
-// Bit packing of a whole bucket, one level per byte <-> LSB-first bit stream. With BMI2
-// one pext/pdep moves eight levels: each byte's low `kBits` bits are exactly the stream.
+// Bit packing of a whole bucket, one level per byte <-> LSB-first bit stream, eight levels
+// (one 64-bit word of level bytes) <-> kBits bytes at a time.
+//
+// No pext/pdep: AMD family 17h (Zen 1, Zen+, Zen 2) microcodes them at tens to hundreds of
+// cycles each (docs/performance.md). Three shift-and-mask steps do the same with shifts,
+// ANDs and ORs, which are one cycle on every x86-64 and aarch64 core and vectorize on both
+// (SSE2, AVX2, NEON): each step halves the number of fields by merging neighbours.
 // ---------------------------------------------------------------------------
 
-template <int kBits>
-constexpr uint64_t low_bits_of_each_byte() {
-  return 0x0101010101010101ull * ((1ull << kBits) - 1);
+// The 64-bit word repeating `field` in every `period`-bit lane.
+constexpr uint64_t repeat(uint64_t field, int period) {
+  uint64_t word = 0;
+  for (int shift = 0; shift < 64; shift += period) word |= field << shift;
+  return word;
 }
 
+constexpr uint64_t low_mask(int bits) { return bits >= 64 ? ~uint64_t{0} : (uint64_t{1} << bits) - 1; }
+
+// One merge step: in every 2*half-bit lane, the field of `width` bits at bit `half` moves
+// down to bit `width`, next to the field at bit 0. Bits outside the fields must be zero.
+template <int kHalf, int kWidth>
+uint64_t merge_pairs(uint64_t w) {
+  constexpr uint64_t low = repeat(low_mask(kWidth), 2 * kHalf);
+  constexpr uint64_t high = low << kHalf;
+  return (w & low) | ((w & high) >> (kHalf - kWidth));
+}
+
+// The inverse: in every 2*half-bit lane, the field of `width` bits at bit `width` moves up
+// to bit `half`. Bits outside the 2*width-bit fields are ignored (the masks drop them).
+template <int kHalf, int kWidth>
+uint64_t split_pairs(uint64_t w) {
+  constexpr uint64_t low = repeat(low_mask(kWidth), 2 * kHalf);
+  constexpr uint64_t high = low << kHalf;
+  return (w & low) | ((w << (kHalf - kWidth)) & high);
+}
+
+// Eight levels, one per byte of `word`, each below 2^kBits -> their 8*kBits-bit stream.
 template <int kBits>
-void pack_bucket(const uint8_t* levels, int64_t size, uint8_t* codes) {
-  for (int64_t g = 0; g < size / 8; ++g) {
+uint64_t pack_group(uint64_t word) {
+  if (kBits == 8) return word;
+  word = merge_pairs<8, kBits>(word);
+  word = merge_pairs<16, 2 * kBits>(word);
+  return merge_pairs<32, 4 * kBits>(word);
+}
+
+// A stream of eight kBits-bit levels in the low 8*kBits bits (higher bits are ignored) ->
+// one level per byte.
+template <int kBits>
+uint64_t unpack_group(uint64_t stream) {
+  if (kBits == 8) return stream;
+  stream = split_pairs<32, 4 * kBits>(stream);
+  stream = split_pairs<16, 2 * kBits>(stream);
+  return split_pairs<8, kBits>(stream);
+}
+
+// The unsigned integer of `bytes` bytes (1, 2, 4 or 8), for loops over whole groups.
+template <int kBytes>
+using Word = std::conditional_t<kBytes == 1, uint8_t,
+             std::conditional_t<kBytes == 2, uint16_t,
+             std::conditional_t<kBytes == 4, uint32_t, uint64_t>>>;
+
+constexpr bool is_power_of_two(int bits) { return (bits & (bits - 1)) == 0; }
+
+template <int kBits>
+void pack_bucket(const uint8_t* __restrict levels, int64_t size, uint8_t* __restrict codes) {
+  const int64_t groups = size / 8;
+  for (int64_t g = 0; g < groups; ++g) {
     uint64_t word;
     memcpy(&word, levels + 8 * g, 8);
-#if defined(__BMI2__)
-    const uint64_t packed = _pext_u64(word, low_bits_of_each_byte<kBits>());
-#else
-    uint64_t packed = 0;
-    for (int k = 0; k < 8; ++k) packed |= ((word >> (8 * k)) & 0xFFu) << (k * kBits);
-#endif
-    memcpy(codes + g * kBits, &packed, kBits);
+    const uint64_t packed = pack_group<kBits>(word);
+    if constexpr (is_power_of_two(kBits)) {
+      // A store of a whole 1/2/4/8-byte word, so the loop vectorizes.
+      const Word<kBits> out = static_cast<Word<kBits>>(packed);
+      memcpy(codes + g * kBits, &out, kBits);
+    } else {
+      memcpy(codes + g * kBits, &packed, kBits);
+    }
   }
 }
 
 template <int kBits>
-void unpack_bucket(const uint8_t* codes, int64_t size, uint8_t* levels) {
-  for (int64_t g = 0; g < size / 8; ++g) {
-    uint64_t packed = 0;
-    memcpy(&packed, codes + g * kBits, kBits);
-#if defined(__BMI2__)
-    const uint64_t word = _pdep_u64(packed, low_bits_of_each_byte<kBits>());
-#else
-    uint64_t word = 0;
-    for (int k = 0; k < 8; ++k) word |= ((packed >> (k * kBits)) & ((1u << kBits) - 1)) << (8 * k);
-#endif
-    memcpy(levels + 8 * g, &word, 8);
+void unpack_bucket(const uint8_t* __restrict codes, int64_t size, uint8_t* __restrict levels) {
+  const int64_t groups = size / 8;
+  int64_t g = 0;
+  if constexpr (is_power_of_two(kBits)) {
+    for (; g < groups; ++g) {
+      Word<kBits> in;
+      memcpy(&in, codes + g * kBits, kBits);
+      const uint64_t word = unpack_group<kBits>(in);
+      memcpy(levels + 8 * g, &word, 8);
+    }
+  } else {
+    // An 8-byte load per group (unpack_group ignores the next group's bits), except for the
+    // last group, whose 8 bytes would reach past the bucket's codes.
+    for (; g + 1 < groups; ++g) {
+      uint64_t in;
+      memcpy(&in, codes + g * kBits, 8);
+      const uint64_t word = unpack_group<kBits>(in);
+      memcpy(levels + 8 * g, &word, 8);
+    }
+    for (; g < groups; ++g) {
+      uint64_t in = 0;
+      memcpy(&in, codes + g * kBits, kBits);
+      const uint64_t word = unpack_group<kBits>(in);
+      memcpy(levels + 8 * g, &word, 8);
+    }
   }
 }
 
@@ -150,6 +254,68 @@ void unpack_levels(int bits, const uint8_t* codes, int64_t size, uint8_t* levels
 // Encoding and decoding one bucket
 // ---------------------------------------------------------------------------
 
+#if defined(__SSE2__) && !defined(__AVX2__)
+// ---------------------------------------------------------------------------
+// The generic variant on x86-64 (SSE2 only) spells the in-range loop out in vectors: the
+// compiler's own vectorization of the loop above spends three shuffles per 32-bit product
+// (SSE2 has none) putting the lanes back in order and a dozen to narrow levels to bytes.
+// Same operations, same bytes (tests/cpu_loops); compute_levels below takes it.
+// ---------------------------------------------------------------------------
+
+// One shufps leaves the products in lane order 0, 2, 1, 3. The hash multiplies twice,
+// with lane-wise operations only in between, so the second product restores the order.
+Uints multiply_swapping_middle_lanes(Uints x, uint32_t factor) {
+  const __m128i k = _mm_set1_epi32(static_cast<int>(factor));
+  const __m128i v = reinterpret_cast<const __m128i&>(x);
+  const __m128i even = _mm_mul_epu32(v, k);                     // lanes 0 and 2, 64-bit
+  const __m128i odd = _mm_mul_epu32(_mm_srli_epi64(v, 32), k);  // lanes 1 and 3
+  const __m128 low = _mm_shuffle_ps(_mm_castsi128_ps(even), _mm_castsi128_ps(odd),
+                                    _MM_SHUFFLE(2, 0, 2, 0));
+  return reinterpret_cast<const Uints&>(low);
+}
+
+// uniform01 of four consecutive counters (codec.h, the same integer operations).
+Floats uniform01_lanes(uint32_t seed0, uint32_t seed1, Uints counters) {
+  Uints h = (counters ^ seed0) + seed1;
+  h ^= h >> 16;
+  h = multiply_swapping_middle_lanes(h, 0x7FEB352Du);
+  h ^= h >> 15;
+  h = multiply_swapping_middle_lanes(h, 0x846CA68Bu);
+  h ^= h >> 16;
+  h >>= 8;
+  return __builtin_convertvector(reinterpret_cast<const Ints&>(h), Floats) *
+         5.9604644775390625e-8f;
+}
+
+// level_of((x - min) * inv + u, top) of four values.
+Ints levels_of(Floats x, Floats u, Floats min, Floats inv, Floats top) {
+  Floats t = (x - min) * inv + u;  // separately rounded: -ffp-contract=off
+  t = t > Floats{} ? t : Floats{};  // NaN -> 0
+  t = t < top ? t : top;
+  return __builtin_convertvector(t, Ints);
+}
+
+template <bool kStochastic, typename Tag>
+void compute_levels_in_range(const typename Tag::storage* __restrict x, int64_t size,
+                             const BucketScale s, const CodecParams& p, uint32_t counter,
+                             uint8_t* __restrict levels) {
+  const Floats min = Floats{} + s.min, inv = Floats{} + s.inv;
+  const Floats top = Floats{} + static_cast<float>(max_level(p.bits)), half = Floats{} + 0.5f;
+  Uints counters = Uints{0, 1, 2, 3} + counter;
+  for (int64_t j = 0; j < size; j += 8) {
+    const Floats u0 = kStochastic ? uniform01_lanes(p.seed0, p.seed1, counters) : half;
+    const Floats u1 = kStochastic ? uniform01_lanes(p.seed0, p.seed1, counters + 4) : half;
+    counters += 8;
+    const Ints low = levels_of(load_floats<Tag>(x, j), u0, min, inv, top);
+    const Ints high = levels_of(load_floats<Tag>(x, j + 4), u1, min, inv, top);
+    // Levels are in [0, 255], so two saturating packs narrow them exactly.
+    const __m128i words = _mm_packs_epi32(reinterpret_cast<const __m128i&>(low),
+                                          reinterpret_cast<const __m128i&>(high));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(levels + j), _mm_packus_epi16(words, words));
+  }
+}
+#endif
+
 // Levels of `size` values with a known scale; `counter` is the element index of x[0],
 // which keys the stochastic noise. kInRange: the bucket's max - min is finite, so
 // x - min cannot overflow and encode_level's first branch is the whole story; that keeps
@@ -158,6 +324,11 @@ template <bool kStochastic, bool kInRange, typename Tag>
 void compute_levels(const typename Tag::storage* __restrict x, int64_t size,
                     const BucketScale scale, const CodecParams& p, uint32_t counter,
                     uint8_t* __restrict levels) {
+#if defined(__SSE2__) && !defined(__AVX2__)
+  if constexpr (kInRange) {
+    return compute_levels_in_range<kStochastic, Tag>(x, size, scale, p, counter, levels);
+  }
+#endif
   // Locals, not references: otherwise the compiler must assume `levels` may alias them.
   const BucketScale s = scale;
   const uint32_t top = max_level(p.bits), seed0 = p.seed0, seed1 = p.seed1;
@@ -329,10 +500,10 @@ void reduce_range(const ReduceJob& job, int64_t begin, int64_t end) {
           if (!padded) padded.reset(new typename Tag::storage[p.bucket_size]);
           values = padded_bucket(own, first, job.own_count, p.bucket_size, padded.get());
         }
-        for (int64_t j = 0; j < p.bucket_size; j += 8) {
+        for (int64_t j = 0; j < p.bucket_size; j += kLanes) {
           prefetch_next_bucket(values, j, p.bucket_size);
-          Floats8& sum = *reinterpret_cast<Floats8*>(acc + j);
-          sum = sum + load8<Tag>(values, j);  // eight separately rounded f32 additions
+          Floats& sum = *reinterpret_cast<Floats*>(acc + j);
+          sum = sum + load_floats<Tag>(values, j);  // separately rounded f32 additions
         }
       } else {
         const uint8_t* packet = job.peers + peer * job.row_bytes;

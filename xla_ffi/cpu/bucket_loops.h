@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 namespace cgx {
 
@@ -78,11 +79,28 @@ struct BucketLoops {
 namespace isa_generic {
 extern const BucketLoops loops;
 }
+#if defined(__x86_64__) || defined(_M_X64)
 namespace isa_avx2 {
 extern const BucketLoops loops;
 }
 namespace isa_avx512 {
 extern const BucketLoops loops;
+}
+#endif
+
+// The variants this CPU runs, narrowest first (x86-64 builds have all three, others the
+// generic one: CMakeLists.txt).
+inline std::vector<const BucketLoops*> runnable_loops() {
+  std::vector<const BucketLoops*> variants = {&isa_generic::loops};
+#if defined(__x86_64__) || defined(_M_X64)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+    variants.push_back(&isa_avx2::loops);
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
+    variants.push_back(&isa_avx512::loops);
+#endif
+  return variants;
 }
 
 }  // namespace cgx

@@ -6,6 +6,7 @@
 // thread pool. Built with -ffp-contract=off so results match the CUDA kernels to the bit.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
 #include <algorithm>
 #include <atomic>
@@ -16,6 +17,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -79,18 +81,24 @@ class IeeeDenormals {
 // claims ranges itself until none are left, and helpers scheduled on the pool claim them
 // too when they get a thread; the caller then waits only for ranges already being worked
 // on. A helper that starts late finds nothing to claim, so a kernel never waits for pool
-// threads that are busy (several simulated devices can share a two-thread pool).
+// threads that are busy (several simulated devices can share a two-thread pool). The pool
+// has a thread per core, so the caller and pool threads - 1 helpers fill the cores; and
+// there are a few ranges per participant, so the work stays balanced when a core is busy
+// with something else (with one range each for the caller and a helper per pool thread,
+// 3 participants on 2 cores took 2/3 of the one-thread time instead of 1/2).
 template <typename Body>
 void parallel_for(ffi::ThreadPool& pool, int64_t items, int64_t elements_per_item, Body body) {
+  constexpr int64_t kRangesPerParticipant = 4;
   const int64_t total = items * elements_per_item;
   const int64_t by_size = std::max<int64_t>(1, total / kMinElementsPerTask);
-  const int64_t tasks =
-      std::min<int64_t>({by_size, pool.num_threads() + 1, items, thread_cap()});
-  if (tasks <= 1) {
+  const int64_t participants =
+      std::min<int64_t>({by_size, std::max<int64_t>(pool.num_threads(), 1), items, thread_cap()});
+  if (participants <= 1) {
     IeeeDenormals ieee;
     body(int64_t{0}, items);
     return;
   }
+  const int64_t ranges = std::min<int64_t>({by_size, items, participants * kRangesPerParticipant});
   // Shared with the helpers, which may outlive this call (they then touch only `next`).
   struct State {
     std::atomic<int64_t> next{0};
@@ -99,44 +107,42 @@ void parallel_for(ffi::ThreadPool& pool, int64_t items, int64_t elements_per_ite
     int64_t finished = 0;
   };
   auto state = std::make_shared<State>();
-  auto run_ranges = [state, tasks, items, &body] {
-    for (int64_t t; (t = state->next.fetch_add(1)) < tasks;) {
-      {
-        IeeeDenormals ieee;
-        body(items * t / tasks, items * (t + 1) / tasks);
-      }
+  auto run_ranges = [state, ranges, items, &body] {
+    IeeeDenormals ieee;
+    for (int64_t r; (r = state->next.fetch_add(1)) < ranges;) {
+      body(items * r / ranges, items * (r + 1) / ranges);
       std::lock_guard<std::mutex> lock(state->mutex);
-      if (++state->finished == tasks) state->done.notify_one();
+      if (++state->finished == ranges) state->done.notify_one();
     }
   };
-  for (int64_t t = 1; t < tasks; ++t) {
-    pool.Schedule([state, tasks, run_ranges] {
-      if (state->next.load() < tasks) run_ranges();
+  for (int64_t t = 1; t < participants; ++t) {
+    pool.Schedule([state, ranges, run_ranges] {
+      if (state->next.load() < ranges) run_ranges();
     });
   }
   run_ranges();
   std::unique_lock<std::mutex> lock(state->mutex);
-  state->done.wait(lock, [&] { return state->finished == tasks; });
+  state->done.wait(lock, [&] { return state->finished == ranges; });
 }
 
 // ---------------------------------------------------------------------------
 // Instruction-set dispatch
 // ---------------------------------------------------------------------------
 
-// The widest variant this CPU runs; CGX_JAX_CPU_ISA=generic|avx2|avx512 forces one (tests
-// use it to check that all variants write the same bytes).
+// The widest variant this CPU runs: no variant uses an instruction that is slow on some
+// CPU that has it (no pext/pdep, no gathers), and the wider one was as fast or faster on
+// every kernel where measured (AMD Zen 4, AVX-512 Intel-class; docs/performance.md).
+// CGX_JAX_CPU_ISA=generic|avx2|avx512 forces one, or the widest the CPU runs below it.
 const BucketLoops& select_loops() {
   const char* forced = std::getenv("CGX_JAX_CPU_ISA");
-  const std::string want = forced ? forced : "";
-#if defined(CGX_HAVE_X86_VARIANTS)
-  __builtin_cpu_init();
-  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  if (avx512 && (want.empty() || want == "avx512")) return isa_avx512::loops;
-  if (avx2 && (want.empty() || want == "avx2" || want == "avx512")) return isa_avx2::loops;
-#endif
-  return isa_generic::loops;
+  const std::string want = forced && *forced ? std::string("isa_") + forced : "";
+  const std::vector<const BucketLoops*> variants = runnable_loops();
+  const BucketLoops* chosen = variants.front();
+  for (const BucketLoops* variant : variants) {
+    chosen = variant;
+    if (variant->isa == want) break;
+  }
+  return *chosen;
 }
 
 const BucketLoops& loops() {
@@ -267,4 +273,9 @@ NB_MODULE(_cgx_cpu, m) {
   });
   m.def("cpu_isa", []() { return std::string(cgx::loops().isa); },
         "The instruction-set variant of the bucket loops this process uses.");
+  m.def("cpu_variants", []() {
+    std::vector<std::string> names;
+    for (const cgx::BucketLoops* variant : cgx::runnable_loops()) names.push_back(variant->isa);
+    return names;
+  }, "The instruction-set variants of the bucket loops this CPU runs, narrowest first.");
 }
