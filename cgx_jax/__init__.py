@@ -10,6 +10,7 @@ from cgx_jax.adaptive import (AdaptiveConfig, ErrorTable, fit_policy, layer_erro
                               refit_policy)
 from cgx_jax.api import compressed_pmean, compressed_psum, dequantize, quantize
 from cgx_jax.codec import Codec, packet_bytes, wire_bytes
+from cgx_jax.data_parallel import value_and_grad
 from cgx_jax.backends.ffi import has_cuda_support
 from cgx_jax.optax_transform import (CompressedAllReduceState, compressed_allreduce,
                                      shard_state, state_specs)
@@ -42,5 +43,6 @@ __all__ = [
     "state_specs",
     "summary",
     "tree_wire_bytes",
+    "value_and_grad",
     "wire_bytes",
 ]

@@ -1,0 +1,290 @@
+"""``cgx.value_and_grad``: compressed data-parallel gradients from inside plain ``jax.jit`` or
+``nnx.jit``, on any mesh (docs/design.md section 6).
+
+A step written for GSPMD (``jax.jit`` with sharded inputs, XLA inserting the collectives)
+gets an exact all-reduce of its gradients from XLA. This entry point replaces
+``jax.value_and_grad``/``nnx.value_and_grad`` in such a step and makes that all-reduce
+cgx's, in two ``shard_map`` stages:
+
+1. The loss and each participant's *local* gradient, in a ``shard_map`` manual over the data
+   axis only: batch arguments are split over it, parameters are replicated over it, and every
+   other mesh axis stays automatic, so the model runs as it does under GSPMD (its weights
+   sharded over ``'model'`` as they are). The local gradients leave stacked, one row per
+   participant (``P(axis_name)``), with no reduction.
+2. The compressed mean over the data axis, in a ``shard_map`` manual over every mesh axis:
+   each device encodes only its own shard of a ``'model'``-sharded gradient (its layout read
+   from the parameters' sharding annotations), so nothing is gathered for cgx's sake.
+
+The gradients come back replicated over the data axis and sharded like their parameters,
+as ``jax.value_and_grad``'s would, so ``optimizer.update`` and Optax apply unchanged.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import AxisType, Mesh, PartitionSpec as P
+
+from cgx_jax.api import reduce_tree
+from cgx_jax.policy import LayerPolicy
+from cgx_jax.vma import local_value_and_grad
+
+
+def _is_nnx_module(value) -> bool:
+    if "flax" not in sys.modules:
+        return False
+    from flax import nnx
+    return isinstance(value, nnx.Module)
+
+
+def _param_specs(grads, param_specs):
+    """A tree of ``PartitionSpec``s for ``grads``: ``param_specs`` (a tree prefix) when given,
+    else the sharding annotations of NNX states in it (``nnx.with_partitioning``,
+    ``sharding=``), else replicated."""
+    if param_specs is not None:
+        return _broadcast_prefix(param_specs, grads)
+
+    def annotated(node):
+        if "flax" in sys.modules:
+            from flax import nnx
+            if isinstance(node, nnx.State):
+                return nnx.get_partition_spec(node)
+        return jax.tree.map(lambda _: P(), node)
+
+    is_state = lambda node: "flax" in sys.modules and isinstance(
+        node, sys.modules["flax"].nnx.State)
+    return jax.tree.map(annotated, grads, is_leaf=is_state)
+
+
+def _check_spec(spec, axis_name, path) -> tuple:
+    entries = tuple(spec)
+    for entry in entries:
+        names = entry if isinstance(entry, tuple) else (entry,)
+        if axis_name in names:
+            raise ValueError(
+                f"cgx.value_and_grad: parameter {path!r} is sharded over the data axis "
+                f"{axis_name!r} (spec {spec}); data-parallel compression needs parameters "
+                f"replicated over it (shard them over other mesh axes only; for sharded "
+                f"(FSDP) training use compressed all-gather and reduce-scatter)")
+    return entries
+
+
+def value_and_grad(fun: Callable, *, mesh: Mesh, axis_name: str, argnums=0,
+                   has_aux: bool = False, policy: LayerPolicy | None = None, seed: int = 0,
+                   algorithm: str = "auto", backend: str = "ffi", param_specs=None):
+    """``jax.value_and_grad(fun, argnums, has_aux)`` (``nnx.value_and_grad`` for an NNX module)
+    whose gradients are averaged over ``axis_name`` with cgx's compressed all-reduce; call it
+    inside ``jax.jit``/``nnx.jit`` (or eagerly) as ``grad_fn(*args, step=step)``.
+
+    Args:
+      fun: the loss, ``fun(*args) -> scalar`` (``(scalar, aux)`` with ``has_aux``), written
+        for the whole batch as under GSPMD; it runs once per data-parallel participant on
+        that participant's rows.
+      mesh: the mesh the step runs on; axis_name: its data-parallel axis. Every argument not
+        in ``argnums`` is a batch, split over ``axis_name`` along its first dimension;
+        arguments in ``argnums`` (parameters, or an NNX module) are replicated over it and
+        may be sharded over the other mesh axes.
+      policy: the per-leaf codecs (default ``LayerPolicy()``); seed, algorithm, backend: as
+        for ``compressed_allreduce``.
+      param_specs: the parameters' ``PartitionSpec``s over the other mesh axes (a tree
+        prefix of the gradients); default: an NNX state's sharding annotations
+        (``nnx.with_partitioning``, ``sharding=``), else replicated. A gradient is compressed
+        per shard, so each device encodes only what it holds.
+
+    ``step``: an integer array that differs every step (``optimizer.step.value`` of an
+    ``nnx.Optimizer``, or a counter in the train state); the stochastic rounding noise is
+    folded from it. A Python int is refused: inside ``jax.jit`` it would be a constant and
+    the noise would repeat every call. Only a policy that rounds nothing stochastically runs
+    without it.
+
+    Returns ``(value, grads)`` (``((value, aux), grads)`` with ``has_aux``): the loss averaged
+    over participants (aux leaves too, which must be floating arrays), and the averaged
+    gradients, replicated over ``axis_name`` and sharded like the parameters.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, numpy as np, cgx_jax as cgx
+        >>> mesh = jax.make_mesh((len(jax.devices()),), ("data",))  # explicit or auto axes
+        >>> loss = lambda w, x: jnp.mean((x @ w) ** 2)
+        >>> grad_fn = cgx.value_and_grad(loss, mesh=mesh, axis_name="data")
+        >>> w, x = jnp.ones((256, 128)), jnp.ones((8 * len(jax.devices()), 256))
+        >>> value, g = jax.jit(grad_fn)(w, x, step=jnp.int32(0))
+        >>> g.shape, float(value)
+        ((256, 128), 65536.0)
+    """
+    policy = LayerPolicy() if policy is None else policy
+    if not isinstance(policy, LayerPolicy):
+        raise TypeError(f"policy must be a cgx_jax.LayerPolicy, got {type(policy).__name__}")
+    if axis_name not in mesh.axis_names:
+        raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh, whose axes "
+                         f"are {mesh.axis_names}")
+    positions = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+
+    def grad_fn(*args, step=None):
+        for i in positions:
+            if not 0 <= i < len(args):
+                raise ValueError(f"argnums {argnums} names argument {i}, but grad_fn got "
+                                 f"{len(args)} positional arguments")
+        key = _step_key(step, seed)
+        # NNX modules travel as (graph, state) and are rebuilt inside the shard_map.
+        graphs = {}
+        flat_args = list(args)
+        for i in positions:
+            if _is_nnx_module(args[i]):
+                from flax import nnx
+                graphs[i], flat_args[i] = nnx.split(args[i])
+        # param_specs describes the gradients as returned: one tree, or one per argnum.
+        specs = (param_specs,) if isinstance(argnums, int) and param_specs is not None \
+            else param_specs
+        value, grads, states = _local_gradients(fun, mesh, axis_name, positions, graphs,
+                                                has_aux, flat_args, specs)
+        for i, state in states.items():  # state a step changed (RNG counts, statistics)
+            from flax import nnx
+            nnx.update(args[i], state)
+        grads = _compressed_mean(grads, mesh, axis_name, policy, key, algorithm, backend,
+                                 specs)
+        if len(positions) == 1 and isinstance(argnums, int):
+            grads = grads[0]
+        return value, grads
+
+    return grad_fn
+
+
+def _step_key(step, seed: int):
+    """The noise key of this step: ``seed`` folded with ``step`` (``None`` without a step)."""
+    if step is None:
+        return None
+    if isinstance(step, (int, np.integer)) and not isinstance(step, bool):
+        raise TypeError(
+            f"cgx.value_and_grad: step must be an integer array (jnp.asarray(step), or "
+            f"optimizer.step.value), got the Python int {step}: inside jax.jit it would be "
+            f"compiled in as a constant and the rounding noise would repeat every call")
+    step = jnp.asarray(step)
+    if step.shape != () or not jnp.issubdtype(step.dtype, jnp.integer):
+        raise TypeError(f"cgx.value_and_grad: step must be an integer scalar, got "
+                        f"{step.dtype}{list(step.shape)}")
+    return jax.random.fold_in(jax.random.PRNGKey(seed), step.astype(jnp.uint32))
+
+
+def _local_gradients(fun, mesh, axis_name, positions, graphs, has_aux, flat_args,
+                     param_specs):
+    """Stage 1: each participant's loss and gradient, manual over ``axis_name`` only."""
+    in_specs = tuple(P() if i in positions else P(axis_name) for i in range(len(flat_args)))
+
+    def local(*local_args):
+        local_args = list(local_args)
+        modules = {}
+        for i, graph in graphs.items():
+            from flax import nnx
+            local_args[i] = modules[i] = nnx.merge(graph, local_args[i])
+        out, grads = _with_clear_constraint_errors(
+            lambda: local_value_and_grad(fun, axis_name, argnums=positions,
+                                         has_aux=has_aux)(*local_args), axis_name)
+        out = jax.tree.map(lambda v: lax.pmean(v, axis_name), out)
+        # Each gradient laid out like its parameter over the automatic axes, so it leaves
+        # this stage as stage 2 reads it (left to XLA, it was gathered whole over 'model').
+        specs = _leaf_specs(grads, param_specs, axis_name)
+        grads = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(grads), [
+            g if spec == P() else lax.with_sharding_constraint(g, spec)
+            for g, spec in zip(jax.tree_util.tree_leaves(grads), specs)])
+        stacked = jax.tree.map(lambda g: g[None], grads)
+        states = {}
+        for i, module in modules.items():
+            from flax import nnx
+            rest = nnx.state(module, nnx.Not(nnx.Param))
+            states[i] = jax.tree.map(lambda v: _agree(v, axis_name), rest)
+        return out, stacked, states
+
+    out_specs = (P(), P(axis_name), P())
+    if mesh._name_to_type[axis_name] == AxisType.Explicit:  # shard_map wants them split
+        flat_args = [arg if i in positions else jax.tree.map(
+            lambda x: _split_rows(x, mesh, axis_name), arg) for i, arg in enumerate(flat_args)]
+    return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                         axis_names={axis_name})(*flat_args)
+
+
+def _split_rows(x, mesh, axis_name):
+    """A batch array of an explicit mesh resharded to rows split over ``axis_name``, its other
+    dimensions as they were."""
+    spec = tuple(jax.typeof(x).sharding.spec)
+    if spec[:1] == (axis_name,):
+        return x
+    return jax.reshard(x, jax.sharding.NamedSharding(mesh, P(axis_name, *spec[1:])))
+
+
+def _agree(value, axis_name):
+    """A module's non-parameter state after the step, the same on every participant: varying
+    floating values (batch statistics) averaged; integers (RNG counts, which every
+    participant advances alike) taken from the first participant."""
+    from cgx_jax.vma import varying_axes
+    if axis_name not in varying_axes(value):
+        return value
+    if jnp.issubdtype(value.dtype, jnp.floating):
+        return lax.pmean(value, axis_name)
+    return lax.all_gather(value, axis_name)[0]
+
+
+def _with_clear_constraint_errors(call, axis_name):
+    try:
+        return call()
+    except ValueError as error:
+        message = str(error)
+        spec = message.partition("Got spec=")[2].partition(" and mesh=")[0]
+        if "can only refer to Auto axes" not in message or repr(axis_name) not in spec:
+            raise
+        raise ValueError(
+            f"cgx.value_and_grad runs the loss once per data-parallel participant, manual "
+            f"over {axis_name!r}: a jax.lax.with_sharding_constraint (or nnx sharding "
+            f"constraint) in the model names {axis_name!r}. Drop {axis_name!r} from that "
+            f"spec (P({axis_name!r}, 'model') becomes P(None, 'model')): each participant "
+            f"already holds only its rows. Do not turn off check_vma instead: the gradients "
+            f"would then be reduced by JAX and again by cgx.") from error
+
+
+def _leaf_specs(grads, param_specs, axis_name) -> list:
+    """The ``PartitionSpec`` of every gradient leaf (``tree_leaves`` order)."""
+    specs = _param_specs(grads, param_specs)
+    paths = jax.tree_util.tree_flatten_with_path(grads)[0]
+    treedef = jax.tree_util.tree_structure(grads)
+    return [P(*_check_spec(spec, axis_name, jax.tree_util.keystr(path)))
+            for (path, _), spec in zip(paths, treedef.flatten_up_to(specs))]
+
+
+def _compressed_mean(grads, mesh, axis_name, policy, key, algorithm, backend, param_specs):
+    """Stage 2: the compressed mean of the stacked local gradients, manual over every mesh
+    axis, so each device encodes its own shard."""
+    treedef = jax.tree_util.tree_structure(grads)
+    leaves = jax.tree_util.tree_leaves(grads)
+    specs = _leaf_specs(grads, param_specs, axis_name)
+    in_specs = [P(axis_name, *spec) for spec in specs]
+    other_axes = [a for a in mesh.axis_names if a != axis_name]
+
+    def reduce(key, *stacked):
+        local = jax.tree_util.tree_unflatten(treedef, [g[0] for g in stacked])
+        if key is None and any(c is not None and c.stochastic
+                               for c in policy.resolve_leaves(local)):
+            raise ValueError(
+                "cgx.value_and_grad: pass step= (an integer array that changes every step, "
+                "e.g. optimizer.step.value of an nnx.Optimizer, or a counter in your train "
+                "state): the policy rounds stochastically and its noise is folded from the "
+                "step, so it must not repeat")
+        if key is not None and other_axes:  # independent noise in every shard
+            shard = lax.axis_index(tuple(other_axes))
+            key = jax.random.fold_in(key, shard)
+        reduced = reduce_tree(local, axis_name, policy=policy, key=key, algorithm=algorithm,
+                              backend=backend, mean=True)
+        return tuple(jax.tree_util.tree_leaves(reduced))
+
+    key_spec = None if key is None else P()
+    out = jax.shard_map(reduce, mesh=mesh, in_specs=(key_spec, *in_specs),
+                        out_specs=tuple(specs))(key, *leaves)
+    return jax.tree_util.tree_unflatten(treedef, list(out))
+
+
+def _broadcast_prefix(prefix, tree):
+    return jax.tree.map(lambda spec, subtree: jax.tree.map(lambda _: spec, subtree), prefix,
+                        tree, is_leaf=lambda x: isinstance(x, P))
