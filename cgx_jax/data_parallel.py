@@ -76,7 +76,8 @@ def _check_spec(spec, axis_name, path) -> tuple:
 
 def value_and_grad(fun: Callable, *, mesh: Mesh, axis_name: str, argnums=0,
                    has_aux: bool = False, policy: LayerPolicy | None = None, seed: int = 0,
-                   algorithm: str = "auto", backend: str = "ffi", param_specs=None):
+                   algorithm: str = "auto", backend: str = "ffi", param_specs=None,
+                   error_feedback: bool = False):
     """``jax.value_and_grad(fun, argnums, has_aux)`` (``nnx.value_and_grad`` for an NNX module)
     whose gradients are averaged over ``axis_name`` with cgx's compressed all-reduce; call it
     inside ``jax.jit``/``nnx.jit`` (or eagerly) as ``grad_fn(*args, step=step)``.
@@ -95,6 +96,11 @@ def value_and_grad(fun: Callable, *, mesh: Mesh, axis_name: str, argnums=0,
         prefix of the gradients); default: an NNX state's sharding annotations
         (``nnx.with_partitioning``, ``sharding=``), else replicated. A gradient is compressed
         per shard, so each device encodes only what it holds.
+
+      error_feedback: add what each participant's compression lost to its next gradient
+        (EF-SGD): ``grad_fn(*args, step=step, residual=residual)`` then returns
+        ``(value, grads, residual)``; start from ``cgx.init_residual(params, mesh=mesh,
+        axis_name=axis_name)`` and carry the returned residual to the next step.
 
     ``step``: an integer array that differs every step (``optimizer.step.value`` of an
     ``nnx.Optimizer``, or a counter in the train state); the stochastic rounding noise is
@@ -124,7 +130,13 @@ def value_and_grad(fun: Callable, *, mesh: Mesh, axis_name: str, argnums=0,
                          f"are {mesh.axis_names}")
     positions = (argnums,) if isinstance(argnums, int) else tuple(argnums)
 
-    def grad_fn(*args, step=None):
+    def grad_fn(*args, step=None, residual=None):
+        if error_feedback and residual is None:
+            raise ValueError("cgx.value_and_grad(..., error_feedback=True): pass residual= "
+                             "(cgx.init_residual(params, mesh=..., axis_name=...) at the "
+                             "start, then the residual the last call returned)")
+        if not error_feedback and residual is not None:
+            raise ValueError("residual= is only taken with error_feedback=True")
         for i in positions:
             if not 0 <= i < len(args):
                 raise ValueError(f"argnums {argnums} names argument {i}, but grad_fn got "
@@ -145,10 +157,16 @@ def value_and_grad(fun: Callable, *, mesh: Mesh, axis_name: str, argnums=0,
         for i, state in states.items():  # state a step changed (RNG counts, statistics)
             from flax import nnx
             nnx.update(args[i], state)
-        grads = _compressed_mean(grads, mesh, axis_name, policy, key, algorithm, backend,
-                                 specs)
-        if len(positions) == 1 and isinstance(argnums, int):
+        single = len(positions) == 1 and isinstance(argnums, int)
+        if residual is not None:
+            residual = (residual,) if single else tuple(residual)
+        grads, residual = _compressed_mean(grads, residual, mesh, axis_name, policy, key,
+                                           algorithm, backend, specs)
+        if single:
             grads = grads[0]
+            residual = None if residual is None else residual[0]
+        if error_feedback:
+            return value, grads, residual
         return value, grads
 
     return grad_fn
@@ -254,17 +272,36 @@ def _leaf_specs(grads, param_specs, axis_name) -> list:
             for (path, _), spec in zip(paths, treedef.flatten_up_to(specs))]
 
 
-def _compressed_mean(grads, mesh, axis_name, policy, key, algorithm, backend, param_specs):
-    """Stage 2: the compressed mean of the stacked local gradients, manual over every mesh
-    axis, so each device encodes its own shard."""
+def _compressed_mean(grads, residual, mesh, axis_name, policy, key, algorithm, backend,
+                     param_specs):
+    """Stage 2: the compressed mean of the stacked local gradients (plus each participant's
+    error-feedback residual, when there is one), manual over every mesh axis, so each device
+    encodes its own shard. Returns the mean and the new residual (``None`` without one)."""
     treedef = jax.tree_util.tree_structure(grads)
     leaves = jax.tree_util.tree_leaves(grads)
     specs = _leaf_specs(grads, param_specs, axis_name)
     in_specs = [P(axis_name, *spec) for spec in specs]
     other_axes = [a for a in mesh.axis_names if a != axis_name]
+    residual_leaves = []
+    if residual is not None:
+        try:
+            residual_leaves = treedef.flatten_up_to(residual)
+        except (ValueError, TypeError) as error:
+            raise ValueError(f"residual must have the gradients' structure (from "
+                             f"cgx.init_residual): {error}") from None
+        for grad, res in zip(leaves, residual_leaves):
+            if res.shape != grad.shape:  # both stacked: one row per participant
+                raise ValueError(f"residual leaf of shape {res.shape} does not match its "
+                                 f"gradient's {grad.shape[1:]} with one row per participant "
+                                 f"of {axis_name!r} ({grad.shape})")
 
     def reduce(key, *stacked):
-        local = jax.tree_util.tree_unflatten(treedef, [g[0] for g in stacked])
+        grads_in, residual_in = stacked[:len(leaves)], stacked[len(leaves):]
+        local = [g[0] for g in grads_in]
+        if residual_in:  # EF-SGD: what this participant's compression lost last step
+            local = [(g.astype(jnp.float32) + r[0]).astype(g.dtype)
+                     for g, r in zip(local, residual_in)]
+        local = jax.tree_util.tree_unflatten(treedef, local)
         if key is None and any(c is not None and c.stochastic
                                for c in policy.resolve_leaves(local)):
             raise ValueError(
@@ -276,13 +313,49 @@ def _compressed_mean(grads, mesh, axis_name, policy, key, algorithm, backend, pa
             shard = lax.axis_index(tuple(other_axes))
             key = jax.random.fold_in(key, shard)
         reduced = reduce_tree(local, axis_name, policy=policy, key=key, algorithm=algorithm,
-                              backend=backend, mean=True)
-        return tuple(jax.tree_util.tree_leaves(reduced))
+                              backend=backend, mean=True, local_error=bool(residual_in))
+        if not residual_in:
+            return tuple(jax.tree_util.tree_leaves(reduced)), ()
+        reduced, lost = reduced
+        return (tuple(jax.tree_util.tree_leaves(reduced)),
+                tuple(r[None] for r in jax.tree_util.tree_leaves(lost)))
 
     key_spec = None if key is None else P()
-    out = jax.shard_map(reduce, mesh=mesh, in_specs=(key_spec, *in_specs),
-                        out_specs=tuple(specs))(key, *leaves)
-    return jax.tree_util.tree_unflatten(treedef, list(out))
+    residual_specs = tuple(in_specs) if residual_leaves else ()
+    mean, lost = jax.shard_map(
+        reduce, mesh=mesh, in_specs=(key_spec, *in_specs, *residual_specs),
+        out_specs=(tuple(specs), residual_specs))(key, *leaves, *residual_leaves)
+    mean = jax.tree_util.tree_unflatten(treedef, list(mean))
+    return mean, (jax.tree_util.tree_unflatten(treedef, list(lost)) if residual_leaves
+                  else None)
+
+
+def init_residual(params, *, mesh: Mesh, axis_name: str, param_specs=None):
+    """The zero error-feedback residual of ``cgx.value_and_grad(..., error_feedback=True)``
+    for ``params`` (a pytree, an ``nnx.State``, or an NNX module, whose ``nnx.Param``s are
+    taken): f32, one row per participant of ``axis_name``, placed on ``mesh`` with the rows
+    split over ``axis_name`` and the rest sharded like each parameter (``param_specs`` or the
+    NNX sharding annotations), so no device holds another's residual or a full copy of a
+    model-sharded one. Save it with the optimizer state: a restored run continues bit for
+    bit.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, cgx_jax as cgx
+        >>> mesh = jax.make_mesh((len(jax.devices()),), ("data",))
+        >>> r = cgx.init_residual({"w": jnp.ones((4, 4))}, mesh=mesh, axis_name="data")
+        >>> r["w"].shape == (len(jax.devices()), 4, 4), r["w"].sharding.spec
+        (True, P('data',))
+    """
+    if _is_nnx_module(params):
+        from flax import nnx
+        params = nnx.state(params, nnx.Param)
+    rows = mesh.shape[axis_name]
+    specs = _leaf_specs(params, param_specs, axis_name)
+    treedef = jax.tree_util.tree_structure(params)
+    zeros = [jax.device_put(jnp.zeros((rows, *jnp.shape(p)), jnp.float32),
+                            jax.sharding.NamedSharding(mesh, P(axis_name, *spec)))
+             for p, spec in zip(jax.tree_util.tree_leaves(params), specs)]
+    return jax.tree_util.tree_unflatten(treedef, zeros)
 
 
 def _broadcast_prefix(prefix, tree):

@@ -247,3 +247,79 @@ def test_has_aux_and_several_argnums(cpu_devices):
     np.testing.assert_allclose(float(aux["loss"]), float(want_value), rtol=1e-5)
     np.testing.assert_allclose(float(g_scale["s"]), float(want_scale["s"]), rtol=1e-4)
     assert set(g_params) == {"w1", "b1", "w2"}
+
+
+def test_error_feedback_residual_is_per_participant_and_sharded_like_its_parameter(
+        cpu_devices):
+    mesh = mesh_2d(cpu_devices)
+    model, optimizer = model_and_optimizer(mesh)
+    x, y = data(mesh)
+    residual = cgx.init_residual(model, mesh=mesh, axis_name="data")
+    kernel = residual["dot1"]["kernel"][...]
+    assert kernel.shape == (2, 256, 256)  # one row per data participant, no more
+    assert kernel.sharding.is_equivalent_to(NamedSharding(mesh, P("data", None, "model")), 3)
+    # Each device holds 1/8 of it: its row and its model shard, no full copy.
+    assert {s.data.shape for s in kernel.addressable_shards} == {(1, 256, 64)}
+    grad_fn = cgx.value_and_grad(nnx_loss, mesh=mesh, axis_name="data", error_feedback=True,
+                                 policy=cgx.LayerPolicy(default=cgx.Codec(bits=2)))
+
+    @nnx.jit
+    def step(model, optimizer, residual, x, y):
+        loss, grads, residual = grad_fn(model, x, y, step=optimizer.step[...],
+                                        residual=residual)
+        optimizer.update(model, grads)
+        return loss, residual
+
+    with jax.set_mesh(mesh):
+        _, new = step(model, optimizer, residual, x, y)
+        new_kernel = new["dot1"]["kernel"][...]
+        assert new_kernel.sharding.is_equivalent_to(kernel.sharding, 3)
+        # 2-bit compression loses something on every participant, differently on each.
+        assert float(jnp.max(jnp.abs(new_kernel))) > 0
+        assert not np.array_equal(np.asarray(new_kernel[0]), np.asarray(new_kernel[1]))
+        assert float(jnp.max(jnp.abs(new["bias"][...]))) == 0  # exact leaf: nothing lost
+        with pytest.raises(ValueError, match="pass residual="):
+            nnx.jit(lambda m, x, y: grad_fn(m, x, y, step=jnp.int32(0)))(model, x, y)
+
+
+def test_error_feedback_is_bit_for_bit_compressed_allreduces(cpu_devices):
+    """Five SGD steps with 2-bit nearest rounding: the same parameters and residuals as
+    optax.chain(compressed_allreduce(error_feedback=True), sgd) under shard_map."""
+    mesh = mesh_1d(cpu_devices)
+    params, x, y = regression()
+    policy = cgx.LayerPolicy(default=cgx.Codec(bits=2, bucket_size=256, rounding="nearest"),
+                             min_size=1024)
+    grad_fn = cgx.value_and_grad(mse, mesh=mesh, axis_name="data", policy=policy,
+                                 error_feedback=True)
+    sgd = optax.sgd(0.1)
+
+    @jax.jit
+    def step(params, opt_state, residual, x, y):
+        _, grads, residual = grad_fn(params, x, y, residual=residual)
+        updates, opt_state = sgd.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, residual
+
+    tx = optax.chain(cgx.compressed_allreduce("data", policy=policy, error_feedback=True),
+                     optax.sgd(0.1))
+    state = cgx.shard_state(tx.init(params), mesh, "data")
+    specs = cgx.state_specs(state, "data")
+
+    @jax.jit
+    @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(), specs, P("data"), P("data")),
+                       out_specs=(P(), specs))
+    def reference(params, state, x, y):
+        _, grads = local_value_and_grad(mse, "data")(params, x, y)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    got, opt_state = params, sgd.init(params)
+    residual = cgx.init_residual(params, mesh=mesh, axis_name="data")
+    want = params
+    for _ in range(5):
+        got, opt_state, residual = step(got, opt_state, residual, x, y)
+        want, state = reference(want, state, x, y)
+    for name in params:
+        np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(want[name]))
+        np.testing.assert_array_equal(np.asarray(residual[name]),
+                                      np.asarray(state[0].residual[name]))
+    assert float(jnp.max(jnp.abs(residual["w1"]))) > 0
