@@ -169,6 +169,7 @@ def value_and_grad(fun: Callable, *, mesh: Mesh, axis_name: str, argnums=0,
             return value, grads, residual
         return value, grads
 
+    grad_fn.policy = policy  # for cgx.summary(grad_fn, params)
     return grad_fn
 
 

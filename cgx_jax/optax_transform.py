@@ -42,11 +42,18 @@ class CompressedAllReduceState(NamedTuple):
     adaptive: Any = None
 
 
+class CompressedAllReduce(optax.GradientTransformation):
+    """``compressed_allreduce``'s transform: an ``optax.GradientTransformation`` that also
+    carries the ``policy`` it runs with (``cgx.summary(tx, params)`` reads it)."""
+
+    policy: LayerPolicy
+
+
 def compressed_allreduce(axis_name, *, policy: LayerPolicy | None = None, mean: bool = True,
                          error_feedback: bool = False, seed: int = 0, algorithm: str = "auto",
                          backend: str = "ffi",
                          adaptive: schedule.AdaptiveConfig | None = None
-                         ) -> optax.GradientTransformation:
+                         ) -> CompressedAllReduce:
     """All-reduces gradients with compressed ``psum`` (``pmean`` when ``mean``) over
     ``axis_name``; must run inside ``pmap``/``shard_map`` with that axis bound.
 
@@ -120,7 +127,9 @@ def compressed_allreduce(axis_name, *, policy: LayerPolicy | None = None, mean: 
         residual = jax.tree.map(lambda r: r[None], lost)
         return reduced, CompressedAllReduceState(key, residual, stats)
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    transform = CompressedAllReduce(init_fn, update_fn)
+    transform.policy = policy
+    return transform
 
 
 def _is_cgx_state(node) -> bool:
@@ -141,7 +150,25 @@ def state_specs(state, axis_name):
         >>> specs[0].residual, specs[0].key
         ({'w': P('batch',)}, P())
     """
+    _refuse_nnx_optimizer(state, "state_specs")
     return _specs(state, axis_name, _is_nnx_variable)
+
+
+def _refuse_nnx_optimizer(state, what: str) -> None:
+    """An ``nnx.Optimizer`` (or its ``nnx.State``) wraps every optimizer leaf in a Variable,
+    so the per-participant residual cannot be told apart from replicated leaves: placing it
+    as one of them would silently keep one residual for all participants."""
+    if "flax" not in sys.modules:
+        return
+    from flax import nnx
+    if isinstance(state, (nnx.Optimizer, nnx.State)):
+        raise TypeError(
+            f"cgx.{what} takes an optax state (tx.init(params)), not an "
+            f"{type(state).__name__}: inside an nnx.Optimizer the error-feedback residual "
+            f"cannot be laid out one row per participant. With nnx.Optimizer use "
+            f"cgx.value_and_grad(loss_fn, mesh=..., axis_name=..., error_feedback=True) in a "
+            f"jax.jit/nnx.jit step, with the residual from cgx.init_residual(model, ...) "
+            f"kept next to the optimizer (README, 'Use')")
 
 
 def _is_nnx_variable(value) -> bool:
@@ -184,6 +211,7 @@ def shard_state(state, mesh: Mesh, axis_name):
         >>> state.residual["w"].shape == (len(jax.devices()), 4, 4)
         True
     """
+    _refuse_nnx_optimizer(state, "shard_state")
     rows = math.prod(mesh.shape[a] for a in axis_tuple(axis_name))
 
     def place(leaf, spec):

@@ -164,10 +164,26 @@ def tree_wire_bytes(policy: LayerPolicy, tree) -> int:
                for codec, leaf in zip(policy.resolve_leaves(tree), leaves))
 
 
-def summary(policy: LayerPolicy, tree) -> str:
+def policy_of(source) -> LayerPolicy:
+    """The ``LayerPolicy`` of a policy, a ``cgx.compressed_allreduce`` transform or a
+    ``cgx.value_and_grad`` function (they carry the policy they run with as ``.policy``)."""
+    if isinstance(source, LayerPolicy):
+        return source
+    policy = getattr(source, "policy", None)
+    if isinstance(policy, LayerPolicy):
+        return policy
+    raise TypeError(
+        f"expected a cgx.LayerPolicy, a cgx.compressed_allreduce transform or a "
+        f"cgx.value_and_grad function, got {type(source).__name__} (an optax.chain does not "
+        f"show its members: pass the cgx transform itself)")
+
+
+def summary(policy, tree) -> str:
     """A table of what ``policy`` does to ``tree``: per leaf its path, shape, codec and bytes
     on the wire against f32 and bf16, then the totals. Compressed leaves are counted padded to
-    whole buckets, as in the fused buffer; exact leaves at their own dtype's size.
+    whole buckets, as in the fused buffer; exact leaves at their own dtype's size. ``policy``
+    may also be the ``cgx.compressed_allreduce`` transform or ``cgx.value_and_grad`` function
+    that runs it, so the table shows what that transform does.
 
     Example:
         >>> import cgx_jax as cgx, jax.numpy as jnp
@@ -178,6 +194,7 @@ def summary(policy: LayerPolicy, tree) -> str:
         w     (256, 256)  4 bit/1024 stochastic       33280     262144    7.9x     3.9x
         total                                         34304     263168    7.7x     3.8x
     """
+    policy = policy_of(policy)
     flat = jax.tree_util.tree_flatten_with_path(tree)[0]
     codecs = policy.resolve_leaves(tree)
     rows, wire_total, f32_total = [], 0, 0

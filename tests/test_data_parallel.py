@@ -323,3 +323,29 @@ def test_error_feedback_is_bit_for_bit_compressed_allreduces(cpu_devices):
         np.testing.assert_array_equal(np.asarray(residual[name]),
                                       np.asarray(state[0].residual[name]))
     assert float(jnp.max(jnp.abs(residual["w1"]))) > 0
+
+
+def test_summary_reads_the_policy_of_a_transform_or_grad_fn(cpu_devices):
+    mesh = mesh_1d(cpu_devices)
+    params, _, _ = regression()
+    nothing = cgx.LayerPolicy(min_size=10**9)
+    for source in (cgx.compressed_allreduce("data", policy=nothing),
+                   cgx.value_and_grad(mse, mesh=mesh, axis_name="data", policy=nothing)):
+        table = cgx.summary(source, params)
+        assert "bit" not in table and table.splitlines()[-1].split()[-2] == "1.0x", table
+    assert "4 bit/1024" in cgx.summary(cgx.compressed_allreduce("data"),
+                                       {"w": jnp.zeros((256, 256))})
+    with pytest.raises(TypeError, match="optax.chain does not show its members"):
+        cgx.summary(optax.chain(cgx.compressed_allreduce("data"), optax.sgd(0.1)), params)
+
+
+def test_state_helpers_refuse_an_nnx_optimizer_instead_of_misplacing_it(cpu_devices):
+    mesh = mesh_1d(cpu_devices)
+    model = nnx.Linear(256, 256, rngs=nnx.Rngs(0))
+    tx = optax.chain(cgx.compressed_allreduce("data", error_feedback=True), optax.adam(1e-3))
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    for state in (optimizer, nnx.state(optimizer)):
+        with pytest.raises(TypeError, match="cgx.value_and_grad.*error_feedback=True"):
+            cgx.shard_state(state, mesh, "data")
+        with pytest.raises(TypeError, match="not an"):
+            cgx.state_specs(state, "data")
