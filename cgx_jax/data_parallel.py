@@ -141,6 +141,12 @@ def value_and_grad(fun: Callable, *, mesh: Mesh, axis_name: str, argnums=0,
             if not 0 <= i < len(args):
                 raise ValueError(f"argnums {argnums} names argument {i}, but grad_fn got "
                                  f"{len(args)} positional arguments")
+        if len(positions) == len(args):
+            raise ValueError(
+                f"cgx.value_and_grad: every argument is differentiated (argnums {argnums}), so "
+                f"none is a batch to split over {axis_name!r}: pass the batch as arguments, "
+                f"fun(model, x, y), not through a closure; a closed-over batch would be "
+                f"computed whole by every participant")
         key = _step_key(step, seed)
         # NNX modules travel as (graph, state) and are rebuilt inside the shard_map.
         graphs = {}

@@ -116,6 +116,10 @@ def test_bad_arguments_name_what_is_wrong(cpu_devices):
     with pytest.raises(TypeError, match="policy must be a cgx_jax.LayerPolicy"):
         cgx.value_and_grad(mse, mesh=mesh, axis_name="data", policy=CODEC8)
     params, x, y = regression()
+    with pytest.raises(ValueError, match="pass the batch as arguments"):
+        cgx.value_and_grad(lambda p: mse(p, x, y), mesh=mesh, axis_name="data")(params)
+    with pytest.raises(ValueError, match="argnums 3 names argument 3"):
+        cgx.value_and_grad(mse, mesh=mesh, axis_name="data", argnums=3)(params, x, y)
     with pytest.raises(ValueError, match="sharded over the data axis 'data'"):
         cgx.value_and_grad(mse, mesh=mesh, axis_name="data", policy=NEAREST8,
                            param_specs={"w1": P("data"), "b1": P(), "w2": P()})(params, x, y)
