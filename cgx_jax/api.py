@@ -120,11 +120,13 @@ def dequantize(packets, codec: Codec, shape, dtype=jnp.float32, *, backend: str 
 # ---------------------------------------------------------------------------
 
 def reduce_tree(x, axis_name, *, codec=None, policy=None, key=None, algorithm="auto",
-                backend="ffi", mean=False, local_error=False, inner_axis_name=None):
+                backend="ffi", mean=False, local_error=False, inner_axis_name=None,
+                leaf_codecs=None):
     """The compressed all-reduce of a pytree (``compressed_psum``, or ``compressed_pmean``
     with ``mean``); with ``local_error`` also the tree of what this participant's own
     compression lost (f32 leaves of the input's shapes, zero where exact), for error
-    feedback.
+    feedback. ``leaf_codecs``: the codecs ``policy`` chose per leaf (``tree_leaves`` order),
+    when it decided on other shapes than these (the whole parameter of a shard).
 
     Example:
         >>> import jax, jax.numpy as jnp, cgx_jax as cgx
@@ -157,6 +159,8 @@ def reduce_tree(x, axis_name, *, codec=None, policy=None, key=None, algorithm="a
     check_local(leaves, all_axes, [path_name(p) for p, _ in flat_with_paths])
     if codec is not None:
         codecs = [codec if is_compressible(leaf) else None for leaf in leaves]
+    elif leaf_codecs is not None:
+        codecs = list(leaf_codecs)
     else:
         codecs = policy.resolve_leaves(jax.tree_util.tree_unflatten(treedef, leaves))
     groups, exact = fusion.group_by_codec(leaves, codecs)

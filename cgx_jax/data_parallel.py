@@ -214,8 +214,7 @@ def _local_gradients(fun, mesh, axis_name, positions, graphs, has_aux, flat_args
         # this stage as stage 2 reads it (left to XLA, it was gathered whole over 'model').
         specs = _leaf_specs(grads, param_specs, axis_name)
         grads = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(grads), [
-            g if spec == P() else lax.with_sharding_constraint(g, spec)
-            for g, spec in zip(jax.tree_util.tree_leaves(grads), specs)])
+            _lay_out(g, spec, mesh) for g, spec in zip(jax.tree_util.tree_leaves(grads), specs)])
         stacked = jax.tree.map(lambda g: g[None], grads)
         states = {}
         for i, module in modules.items():
@@ -230,6 +229,18 @@ def _local_gradients(fun, mesh, axis_name, positions, graphs, has_aux, flat_args
             lambda x: _split_rows(x, mesh, axis_name), arg) for i, arg in enumerate(flat_args)]
     return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
                          axis_names={axis_name})(*flat_args)
+
+
+def _lay_out(g, spec, mesh):
+    """``g`` laid out as ``spec`` says: a constraint over automatic axes, a reshard over
+    explicit ones (where JAX refuses constraints)."""
+    if spec == P():
+        return g
+    names = [n for entry in spec if entry is not None
+             for n in (entry if isinstance(entry, tuple) else (entry,))]
+    if any(mesh._name_to_type[n] == AxisType.Explicit for n in names):
+        return jax.reshard(g, spec)
+    return lax.with_sharding_constraint(g, spec)
 
 
 def _split_rows(x, mesh, axis_name):
@@ -289,6 +300,10 @@ def _compressed_mean(grads, residual, mesh, axis_name, policy, key, algorithm, b
     specs = _leaf_specs(grads, param_specs, axis_name)
     in_specs = [P(axis_name, *spec) for spec in specs]
     other_axes = [a for a in mesh.axis_names if a != axis_name]
+    # The policy decides on each parameter's whole shape, as cgx.summary shows it, not on
+    # the shard a device holds (a 4-way sharded matrix would otherwise fall under min_size).
+    codecs = policy.resolve_leaves(jax.tree_util.tree_unflatten(
+        treedef, [jax.ShapeDtypeStruct(g.shape[1:], g.dtype) for g in leaves]))
     residual_leaves = []
     if residual is not None:
         try:
@@ -309,8 +324,7 @@ def _compressed_mean(grads, residual, mesh, axis_name, policy, key, algorithm, b
             local = [(g.astype(jnp.float32) + r[0]).astype(g.dtype)
                      for g, r in zip(local, residual_in)]
         local = jax.tree_util.tree_unflatten(treedef, local)
-        if key is None and any(c is not None and c.stochastic
-                               for c in policy.resolve_leaves(local)):
+        if key is None and any(c is not None and c.stochastic for c in codecs):
             raise ValueError(
                 "cgx.value_and_grad: pass step= (an integer array that changes every step, "
                 "e.g. optimizer.step.value of an nnx.Optimizer, or a counter in your train "
@@ -320,7 +334,8 @@ def _compressed_mean(grads, residual, mesh, axis_name, policy, key, algorithm, b
             shard = lax.axis_index(tuple(other_axes))
             key = jax.random.fold_in(key, shard)
         reduced = reduce_tree(local, axis_name, policy=policy, key=key, algorithm=algorithm,
-                              backend=backend, mean=True, local_error=bool(residual_in))
+                              backend=backend, mean=True, local_error=bool(residual_in),
+                              leaf_codecs=codecs)
         if not residual_in:
             return tuple(jax.tree_util.tree_leaves(reduced)), ()
         reduced, lost = reduced

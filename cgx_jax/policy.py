@@ -7,6 +7,7 @@ sequence indices), so the same regexes work for Flax linen ``params`` dicts and 
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from typing import Any, Mapping
 
@@ -120,7 +121,8 @@ class LayerPolicy:
             return codec
         if any(re.search(pattern, path) for pattern in self.exclude):
             return None
-        if jnp.ndim(leaf) < self.min_ndim or jnp.size(leaf) < self.min_size:
+        shape = jnp.shape(leaf)  # also of a jax.ShapeDtypeStruct
+        if len(shape) < self.min_ndim or math.prod(shape) < self.min_size:
             return None
         return self.default
 

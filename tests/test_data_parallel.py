@@ -226,6 +226,61 @@ def test_2d_step_gathers_no_model_sharded_gradient(cpu_devices):
     assert all("u8[2," in line for line in gathers), gathers
 
 
+def test_the_policy_decides_on_the_whole_parameter_not_the_shard(cpu_devices):
+    """A 128x128 kernel has 16,384 values (the default min_size) but each of the 4 model
+    shards only 4,096: it is compressed as cgx.summary says, on every shard."""
+    mesh = mesh_2d(cpu_devices)
+    model = sharded_model(mesh, d=128)
+    x, y = data(mesh, d=128)
+    grad_fn = cgx.value_and_grad(nnx_loss, mesh=mesh, axis_name="data")
+    table = cgx.summary(grad_fn, nnx.state(model, nnx.Param))
+    assert re.search(r"dot1/kernel\s+\(128, 128\)\s+4 bit", table), table
+    with jax.set_mesh(mesh):
+        step = nnx.jit(lambda m, x, y: grad_fn(m, x, y, step=jnp.int32(3)))
+        _, grads = step(model, x, y)
+        _, exact = nnx.jit(nnx.value_and_grad(nnx_loss))(model, x, y)
+        hlo = step.lower(model, x, y).compile().as_text()
+    assert re.search(r"= u8\[\S+ all-gather\(", hlo), "no packet was gathered"
+    got, want = np.asarray(grads["dot1"]["kernel"][...]), np.asarray(exact["dot1"]["kernel"][...])
+    assert not np.array_equal(got, want)  # quantized...
+    # ...by 4 bits: stochastic rounding of a mean of two errs about 0.2 relative (L2)
+    assert np.linalg.norm(got - want) < 0.4 * np.linalg.norm(want)
+    np.testing.assert_allclose(grads["bias"][...], exact["bias"][...], rtol=1e-5, atol=1e-7)
+
+
+class ExplicitMLP(nnx.Module):
+    """Weights sharded over an explicit 'model' axis (no sharding constraints: explicit
+    meshes carry the shardings in the types)."""
+
+    def __init__(self, rngs):
+        init = nnx.initializers.lecun_normal()
+        self.dot1 = nnx.Linear(128, 256, use_bias=False, rngs=rngs,
+                               kernel_init=nnx.with_partitioning(init, (None, "model")))
+        self.dot2 = nnx.Linear(256, 16, rngs=rngs)
+
+    def __call__(self, x):
+        return self.dot2(jax.nn.relu(self.dot1(x)))
+
+
+def test_explicit_2d_mesh_with_a_model_sharded_nnx_module(cpu_devices):
+    mesh = jax.make_mesh((2, 4), ("data", "model"), devices=cpu_devices[:8],
+                         axis_types=(AxisType.Explicit, AxisType.Explicit))
+    with jax.set_mesh(mesh):
+        model = ExplicitMLP(nnx.Rngs(0))
+    x, y = data(mesh, d=128)
+    y = y[:, :16]
+    grad_fn = cgx.value_and_grad(nnx_loss, mesh=mesh, axis_name="data", policy=NEAREST8)
+    with jax.set_mesh(mesh):
+        loss, grads = nnx.jit(lambda m, x, y: grad_fn(m, x, y))(model, x, y)
+        want_loss, want = nnx.jit(nnx.value_and_grad(nnx_loss))(model, x, y)
+    np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-5)
+    got, exact = grads["dot1"]["kernel"][...], want["dot1"]["kernel"][...]
+    assert got.sharding.is_equivalent_to(NamedSharding(mesh, P(None, "model")), 2)
+    # 8-bit nearest rounding of a mean of two: within one unit of each bucket's range.
+    assert not np.array_equal(np.asarray(got), np.asarray(exact))
+    assert np.linalg.norm(got - exact) < 0.02 * np.linalg.norm(exact)
+
+
 def test_a_constraint_naming_the_data_axis_gets_a_cgx_error(cpu_devices):
     mesh = mesh_2d(cpu_devices)
     model = sharded_model(mesh, constraint=P("data", "model"))

@@ -1,0 +1,33 @@
+"""Smoke test of examples/gspmd_nnx.py: the Flax GSPMD-guide model trained with nnx.jit and
+nnx.Optimizer, exact and through cgx.value_and_grad (with and without error feedback), on
+8x1 and 2x4 (data x model) meshes of the simulated CPU devices conftest.py sets up."""
+
+import importlib.util
+import math
+import os
+import sys
+
+EXAMPLE = os.path.join(os.path.dirname(__file__), os.pardir, "examples", "gspmd_nnx.py")
+
+
+def load_example():
+    spec = importlib.util.spec_from_file_location("gspmd_nnx_example", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_exact_and_cgx_train_alike_on_both_meshes():
+    # width 128: the stacked (2, 128, 128) kernels are compressed by the default policy.
+    results = load_example().main(["--steps", "8", "--width", "128", "--batch", "32"])
+    assert [(r["mesh"], r["mode"]) for r in results] == [
+        (mesh, mode) for mesh in ("8x1", "2x4") for mode in ("exact", "cgx", "cgx-ef")]
+    for r in results:
+        assert math.isfinite(r["test_loss"]) and r["ms"] > 0
+    exact = {r["mesh"]: r["test_loss"] for r in results if r["mode"] == "exact"}
+    assert math.isclose(exact["8x1"], exact["2x4"], rel_tol=1e-4)  # GSPMD: same math
+    for r in results:
+        if r["mode"] != "exact":  # compressed, so not identical, but as good
+            assert r["test_loss"] != exact[r["mesh"]]
+            assert abs(r["test_loss"] - exact[r["mesh"]]) < 0.01 * exact[r["mesh"]], r
