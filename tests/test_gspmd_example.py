@@ -28,6 +28,7 @@ def test_exact_and_cgx_train_alike_on_both_meshes():
     exact = {r["mesh"]: r["test_loss"] for r in results if r["mode"] == "exact"}
     assert math.isclose(exact["8x1"], exact["2x4"], rel_tol=1e-4)  # GSPMD: same math
     for r in results:
-        if r["mode"] != "exact":  # compressed, so not identical, but as good
-            assert r["test_loss"] != exact[r["mesh"]]
-            assert abs(r["test_loss"] - exact[r["mesh"]]) < 0.01 * exact[r["mesh"]], r
+        assert r["test_loss"] < 0.95  # it learns: the teacher's targets have unit variance
+        if r["mode"] != "exact":  # compressed, so not identical, but nearly as good (4 bits
+            assert r["test_loss"] != exact[r["mesh"]]  # add about 1% after 8 steps)
+            assert abs(r["test_loss"] - exact[r["mesh"]]) < 0.03 * exact[r["mesh"]], r
