@@ -61,16 +61,20 @@ def _param_specs(grads, param_specs):
     return jax.tree.map(annotated, grads, is_leaf=is_state)
 
 
+def _axis_names(spec) -> list:
+    """The mesh axes a ``PartitionSpec`` names (an entry may name several, or none)."""
+    return [name for entry in spec if entry is not None
+            for name in (entry if isinstance(entry, tuple) else (entry,))]
+
+
 def _check_spec(spec, axis_name, path) -> tuple:
     entries = tuple(spec)
-    for entry in entries:
-        names = entry if isinstance(entry, tuple) else (entry,)
-        if axis_name in names:
-            raise ValueError(
-                f"cgx.value_and_grad: parameter {path!r} is sharded over the data axis "
-                f"{axis_name!r} (spec {spec}); data-parallel compression needs parameters "
-                f"replicated over it (shard them over other mesh axes only; for sharded "
-                f"(FSDP) training use compressed all-gather and reduce-scatter)")
+    if axis_name in _axis_names(entries):
+        raise ValueError(
+            f"cgx.value_and_grad: parameter {path!r} is sharded over the data axis "
+            f"{axis_name!r} (spec {spec}); data-parallel compression needs parameters "
+            f"replicated over it (shard them over other mesh axes only; for sharded "
+            f"(FSDP) training use compressed all-gather and reduce-scatter)")
     return entries
 
 
@@ -236,9 +240,7 @@ def _lay_out(g, spec, mesh):
     explicit ones (where JAX refuses constraints)."""
     if spec == P():
         return g
-    names = [n for entry in spec if entry is not None
-             for n in (entry if isinstance(entry, tuple) else (entry,))]
-    if any(mesh._name_to_type[n] == AxisType.Explicit for n in names):
+    if any(mesh._name_to_type[n] == AxisType.Explicit for n in _axis_names(spec)):
         return jax.reshard(g, spec)
     return lax.with_sharding_constraint(g, spec)
 
