@@ -166,8 +166,8 @@ def reduce_tree(x, axis_name, *, codec=None, policy=None, key=None, algorithm="a
     groups, exact = fusion.group_by_codec(leaves, codecs)
     if groups:
         memory.keep_freed_memory_on_cpu()  # reuse warm host pages step to step (memory.py)
-    elif codec is None and policy.default is not None:
-        _warn_nothing_compressed(policy, leaves)
+    elif codec is None and leaf_codecs is None and policy.default is not None:
+        warn_nothing_compressed(policy, leaves)
 
     if any(c.stochastic for c in groups) and key is None:
         paths = [path_name(p) for p, _ in flat_with_paths]
@@ -234,7 +234,7 @@ def reduce_tree(x, axis_name, *, codec=None, policy=None, key=None, algorithm="a
     return result
 
 
-def _warn_nothing_compressed(policy: LayerPolicy, leaves) -> None:
+def warn_nothing_compressed(policy: LayerPolicy, leaves) -> None:
     """Warns (at trace time) when the policy leaves every floating leaf exact: the caller
     asked for a compressed all-reduce and would otherwise get an exact one without a word
     (a flat 1-D gradient buffer under the default policy, a model of small layers)."""

@@ -30,7 +30,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import AxisType, Mesh, PartitionSpec as P
 
-from cgx_jax.api import reduce_tree
+from cgx_jax.api import reduce_tree, warn_nothing_compressed
 from cgx_jax.policy import LayerPolicy
 from cgx_jax.vma import local_value_and_grad
 
@@ -114,7 +114,9 @@ def value_and_grad(fun: Callable, *, mesh: Mesh, axis_name: str, argnums=0,
 
     Returns ``(value, grads)`` (``((value, aux), grads)`` with ``has_aux``): the loss averaged
     over participants (aux leaves too, which must be floating arrays), and the averaged
-    gradients, replicated over ``axis_name`` and sharded like the parameters.
+    gradients, replicated over ``axis_name`` and sharded like the parameters. An NNX
+    module's other state is updated as ``cgx.local_value_and_grad`` says (RNG counts
+    advanced, each participant its own dropout masks, BatchNorm statistics averaged).
 
     Example:
         >>> import jax, jax.numpy as jnp, numpy as np, cgx_jax as cgx
@@ -220,11 +222,11 @@ def _local_gradients(fun, mesh, axis_name, positions, graphs, has_aux, flat_args
         grads = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(grads), [
             _lay_out(g, spec, mesh) for g, spec in zip(jax.tree_util.tree_leaves(grads), specs)])
         stacked = jax.tree.map(lambda g: g[None], grads)
+        # The modules' other state, agreed over the data axis by local_value_and_grad.
         states = {}
         for i, module in modules.items():
             from flax import nnx
-            rest = nnx.state(module, nnx.Not(nnx.Param))
-            states[i] = jax.tree.map(lambda v: _agree(v, axis_name), rest)
+            states[i] = nnx.state(module, nnx.Not(nnx.Param))
         return out, stacked, states
 
     out_specs = (P(), P(axis_name), P())
@@ -252,18 +254,6 @@ def _split_rows(x, mesh, axis_name):
     if spec[:1] == (axis_name,):
         return x
     return jax.reshard(x, jax.sharding.NamedSharding(mesh, P(axis_name, *spec[1:])))
-
-
-def _agree(value, axis_name):
-    """A module's non-parameter state after the step, the same on every participant: varying
-    floating values (batch statistics) averaged; integers (RNG counts, which every
-    participant advances alike) taken from the first participant."""
-    from cgx_jax.vma import varying_axes
-    if axis_name not in varying_axes(value):
-        return value
-    if jnp.issubdtype(value.dtype, jnp.floating):
-        return lax.pmean(value, axis_name)
-    return lax.all_gather(value, axis_name)[0]
 
 
 def _with_clear_constraint_errors(call, axis_name):
@@ -301,11 +291,10 @@ def _compressed_mean(grads, residual, mesh, axis_name, policy, key, algorithm, b
     leaves = jax.tree_util.tree_leaves(grads)
     specs = _leaf_specs(grads, param_specs, axis_name)
     in_specs = [P(axis_name, *spec) for spec in specs]
-    other_axes = [a for a in mesh.axis_names if a != axis_name]
     # The policy decides on each parameter's whole shape, as cgx.summary shows it, not on
     # the shard a device holds (a 4-way sharded matrix would otherwise fall under min_size).
-    codecs = policy.resolve_leaves(jax.tree_util.tree_unflatten(
-        treedef, [jax.ShapeDtypeStruct(g.shape[1:], g.dtype) for g in leaves]))
+    params = [jax.ShapeDtypeStruct(g.shape[1:], g.dtype) for g in leaves]
+    codecs = policy.resolve_leaves(jax.tree_util.tree_unflatten(treedef, params))
     residual_leaves = []
     if residual is not None:
         try:
@@ -319,30 +308,37 @@ def _compressed_mean(grads, residual, mesh, axis_name, policy, key, algorithm, b
                                  f"gradient's {grad.shape[1:]} with one row per participant "
                                  f"of {axis_name!r} ({grad.shape})")
 
+    if all(codec is None for codec in codecs) and policy.default is not None:
+        warn_nothing_compressed(policy, params)
+    noise_groups = _noise_groups(specs, mesh)
+
     def reduce(key, *stacked):
         grads_in, residual_in = stacked[:len(leaves)], stacked[len(leaves):]
         local = [g[0] for g in grads_in]
         if residual_in:  # EF-SGD: what this participant's compression lost last step
             local = [(g.astype(jnp.float32) + r[0]).astype(g.dtype)
                      for g, r in zip(local, residual_in)]
-        local = jax.tree_util.tree_unflatten(treedef, local)
         if key is None and any(c is not None and c.stochastic for c in codecs):
             raise ValueError(
                 "cgx.value_and_grad: pass step= (an integer array that changes every step, "
                 "e.g. optimizer.step.value of an nnx.Optimizer, or a counter in your train "
                 "state): the policy rounds stochastically and its noise is folded from the "
                 "step, so it must not repeat")
-        if key is not None and other_axes:  # independent noise in every shard
-            shard = lax.axis_index(tuple(other_axes))
-            key = jax.random.fold_in(key, shard)
-        reduced = reduce_tree(local, axis_name, policy=policy, key=key, algorithm=algorithm,
-                              backend=backend, mean=True, local_error=bool(residual_in),
-                              leaf_codecs=codecs)
-        if not residual_in:
-            return tuple(jax.tree_util.tree_leaves(reduced)), ()
-        reduced, lost = reduced
-        return (tuple(jax.tree_util.tree_leaves(reduced)),
-                tuple(r[None] for r in jax.tree_util.tree_leaves(lost)))
+        reduced, lost = [None] * len(leaves), [None] * len(leaves)
+        for number, (shard_axes, members) in enumerate(noise_groups.items()):
+            group_key = key
+            if key is not None and shard_axes:  # each distinct shard its own noise
+                group_key = jax.random.fold_in(jax.random.fold_in(key, number),
+                                               lax.axis_index(shard_axes))
+            out = reduce_tree([local[i] for i in members], axis_name, policy=policy,
+                              key=group_key, algorithm=algorithm, backend=backend, mean=True,
+                              local_error=bool(residual_in),
+                              leaf_codecs=[codecs[i] for i in members])
+            means, errors = out if residual_in else (out, None)
+            for j, i in enumerate(members):
+                reduced[i] = means[j]
+                lost[i] = None if errors is None else errors[j][None]
+        return tuple(reduced), (tuple(lost) if residual_in else ())
 
     key_spec = None if key is None else P()
     residual_specs = tuple(in_specs) if residual_leaves else ()
@@ -352,6 +348,18 @@ def _compressed_mean(grads, residual, mesh, axis_name, policy, key, algorithm, b
     mean = jax.tree_util.tree_unflatten(treedef, list(mean))
     return mean, (jax.tree_util.tree_unflatten(treedef, list(lost)) if residual_leaves
                   else None)
+
+
+def _noise_groups(specs, mesh) -> dict:
+    """The gradient leaves (indices) grouped by the mesh axes they are sharded over, in mesh
+    order. A group's noise is folded from the device's index over exactly those axes: every
+    replica of a shard draws the same noise (a replicated leaf's copies stay identical) and
+    every distinct shard its own."""
+    groups = {}
+    for i, spec in enumerate(specs):
+        named = set(_axis_names(spec))
+        groups.setdefault(tuple(a for a in mesh.axis_names if a in named), []).append(i)
+    return groups
 
 
 def init_residual(params, *, mesh: Mesh, axis_name: str, param_specs=None):

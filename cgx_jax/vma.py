@@ -22,6 +22,7 @@ from __future__ import annotations
 import sys
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 
 from cgx_jax.collectives import axis_tuple
@@ -95,9 +96,15 @@ def local_value_and_grad(fun, axis_name, *, argnums=0, has_aux: bool = False):
     loss and gradients inside ``shard_map`` (either ``check_vma``) or ``pmap``: the
     differentiated arguments are cast to varying over ``axis_name`` first, so JAX inserts no
     reduction and the gradients are ready for ``cgx.compressed_pmean`` or
-    ``cgx.compressed_allreduce``. A Flax NNX module among them is differentiated with
-    ``nnx.value_and_grad`` on a varying copy (the module passed in is not modified), so its
-    gradient is an ``nnx.State``.
+    ``cgx.compressed_allreduce``.
+
+    A Flax NNX module among them is differentiated with ``nnx.value_and_grad`` (its gradient
+    is an ``nnx.State``), and its other state is left as ``nnx.value_and_grad`` over the
+    global batch would leave it: RNG streams advance once per call, each participant drawing
+    its own noise (dropout masks differ between participants, as over one global batch);
+    floating state the loss changes (BatchNorm statistics) is averaged over ``axis_name``;
+    integer state that comes out different on each participant is refused with a
+    ``ValueError`` naming it (docs/design.md section 6).
 
     Example:
         >>> import jax, jax.numpy as jnp, numpy as np, cgx_jax as cgx
@@ -114,20 +121,66 @@ def local_value_and_grad(fun, axis_name, *, argnums=0, has_aux: bool = False):
 
     def wrapped(*args, **kwargs):
         args = list(args)
-        nnx_args = False
+        modules = {}
         for i in positions:
             if _is_nnx_module(args[i]):
-                from flax import nnx
-                graphdef, state = nnx.split(args[i])
-                args[i] = nnx.merge(graphdef, to_local(state, axis_name))
-                nnx_args = True
+                modules[i] = args[i]
+                args[i] = _local_copy(args[i], axis_name)
             else:
                 args[i] = to_local(args[i], axis_name)
-        if nnx_args:
+        if modules:
             from flax import nnx
             grad_fn = nnx.value_and_grad(fun, argnums=argnums, has_aux=has_aux)
         else:
             grad_fn = jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux)
-        return grad_fn(*args, **kwargs)
+        out = grad_fn(*args, **kwargs)
+        for i, module in modules.items():
+            _carry_back_state(args[i], module, axis_name)
+        return out
 
     return wrapped
+
+
+def _local_copy(module, axis_name):
+    """A copy of NNX ``module`` whose parameters are varying over ``axis_name`` (local
+    gradients) and whose RNG keys are folded with the participant's index (its own dropout
+    masks); the module passed in keeps its keys."""
+    from flax import nnx
+    graphdef, params, keys, rest = nnx.split(module, nnx.Param, nnx.RngKey, ...)
+    index = lax.axis_index(axis_tuple(axis_name))
+    keys = jax.tree.map(lambda key: jax.random.fold_in(key, index), keys)
+    rest = jax.tree.map(lambda value: value, rest)  # new Variables: the module's stay as they are
+    return nnx.merge(graphdef, to_local(params, axis_name), keys, rest)
+
+
+def _carry_back_state(copy, module, axis_name) -> None:
+    """Updates ``module`` with the state the loss left in ``copy`` besides parameters and RNG
+    keys (RNG counts, batch statistics, any other variable), agreed over ``axis_name``."""
+    from flax import nnx
+    carried = nnx.Not(nnx.Any(nnx.Param, nnx.RngKey))
+    after, before = nnx.state(copy, carried), nnx.state(module, carried)
+    before = dict(jax.tree_util.tree_leaves_with_path(before))
+    agreed = jax.tree_util.tree_map_with_path(
+        lambda path, new: _agree(new, before.get(path), axis_name, path), after)
+    nnx.update(module, agreed)
+
+
+def _agree(new, old, axis_name, path):
+    """One state value after the loss, the same on every participant of ``axis_name``:
+    unchanged where it is per participant by design (passed in varying) or did not come out
+    varying; averaged when floating; refused when integer. Where JAX types nothing (``pmap``,
+    ``check_vma=False``) every floating value is averaged."""
+    axes = axis_tuple(axis_name)
+    if not vma_checked(axes):
+        return lax.pmean(new, axes) if jnp.issubdtype(new.dtype, jnp.inexact) else new
+    if old is not None and set(axes) <= varying_axes(old):
+        return new
+    if not set(axes) & varying_axes(new):
+        return new
+    if jnp.issubdtype(new.dtype, jnp.inexact):
+        return lax.pmean(to_local(new, axes), axes)
+    raise ValueError(
+        f"cgx.local_value_and_grad: the loss changed the module's variable {jax.tree_util.keystr(path)} ({new.dtype}) "
+        f"differently on each participant of {axis_name!r}: floating state is averaged over "
+        f"the participants, but integer state cannot be; keep it out of the loss or make it "
+        f"floating")

@@ -1,8 +1,9 @@
 """backends/ffi.py on CPU (docs/design.md section 3): the bucket loops are compiled per
 instruction set (generic, AVX2, AVX-512) and picked at run time; every variant must write the
-same bytes. Each runs in its own process, forced with CGX_JAX_CPU_ISA, on inputs that take
-every code path (stochastic and nearest, all bits, three dtypes, buckets wider than the
-largest float, NaN, subnormals)."""
+same bytes, and each the numpy model's (tests/numpy_model.py), so a CPU that runs only the
+generic variant is covered too. Each runs in its own process, forced with CGX_JAX_CPU_ISA, on
+inputs that take every code path (stochastic and nearest, all bits, three dtypes, buckets
+wider than the largest float, NaN, subnormals)."""
 
 import os
 import subprocess
@@ -16,10 +17,13 @@ SCRIPT = textwrap.dedent("""
     from cgx_jax import _cgx_cpu
     from cgx_jax.backends import ffi
     from cgx_jax.codec import Codec
+    import numpy_model as model
+    from helpers import as_dtype, assert_bytes_equal, assert_same_floats, model_decoded
     rng = np.random.default_rng(0)
     x = rng.standard_normal((3, 4096)).astype(np.float32) * np.float32(10.0) ** rng.integers(-3, 3, (3, 1))
     x[0, :64] = np.linspace(-3e38, 3e38, 64); x[1, 64:128] = np.arange(64) * 1e-41; x[2, 5] = np.nan
     digest = hashlib.sha256()
+    mismatches = []
     seed = jnp.array([3, 4], jnp.uint32)
     for bits in range(1, 9):
         for rounding in ("stochastic", "nearest"):
@@ -31,22 +35,44 @@ SCRIPT = textwrap.dedent("""
                                                       codec, x.shape[1], emit_sum=True)
                 for a in (packets, decoded, packet, total):
                     digest.update(np.asarray(a).tobytes())
+                _, xf = as_dtype(x, dtype)
+                want = model.quantize_rows(xf, np.asarray(seed), bits, 64, codec.stochastic)
+                want_packet, want_sum = model.reduce_requantize(
+                    want, xf, 1, np.asarray(seed), bits, 64, codec.stochastic, x.shape[1])
+                what = f"{bits} bits {rounding} {dtype.__name__}"
+                try:
+                    assert_bytes_equal(packets, want, "quantize " + what)
+                    assert_same_floats(decoded, model_decoded(want, codec, x.shape[1], dtype),
+                                       "dequantize " + what)
+                    assert_bytes_equal(packet, want_packet, "reduce packet " + what)
+                    assert_same_floats(total, want_sum, "reduce sum " + what)
+                except AssertionError as error:
+                    mismatches.append(str(error)[:200])
+    print(mismatches)
     print(_cgx_cpu.cpu_isa(), digest.hexdigest())
 """)
 
 
-def run_with_isa(isa: str) -> tuple[str, str]:
-    env = dict(os.environ, CGX_JAX_CPU_ISA=isa, JAX_PLATFORMS="cpu")
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
+
+def run_with_isa(isa: str) -> tuple[str, str, str]:
+    """(the variant chosen, the digest of its outputs, its differences from the model)."""
+    path = os.pathsep.join(filter(None, (TESTS, os.environ.get("PYTHONPATH"))))
+    env = dict(os.environ, CGX_JAX_CPU_ISA=isa, JAX_PLATFORMS="cpu", PYTHONPATH=path)
     out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True,
                          text=True, check=True, timeout=300)
-    chosen, digest = out.stdout.split()[-2:]
-    return chosen, digest
+    mismatches, last = out.stdout.strip().splitlines()[-2:]
+    chosen, digest = last.split()
+    return chosen, digest, mismatches
 
 
-def test_all_instruction_set_variants_write_identical_bytes():
+def test_all_instruction_set_variants_write_identical_bytes_and_the_models():
     results = {isa: run_with_isa(isa) for isa in ("generic", "avx2", "avx512")}
     chosen = {isa: r[0] for isa, r in results.items()}
     assert chosen["generic"] == "isa_generic"
+    for isa, (_, _, mismatches) in results.items():  # each variant against the model itself
+        assert mismatches == "[]", f"{isa} ({chosen[isa]}): {mismatches}"
     digests = {r[1] for r in results.values()}
     assert len(digests) == 1, results
     if len(set(chosen.values())) == 1:
