@@ -31,6 +31,7 @@ from jax import lax
 from jax.sharding import AxisType, Mesh, PartitionSpec as P
 
 from cgx_jax.api import reduce_tree, warn_nothing_compressed
+from cgx_jax.collectives.jax_compat import reshard
 from cgx_jax.policy import LayerPolicy
 from cgx_jax.vma import local_value_and_grad
 
@@ -243,7 +244,7 @@ def _lay_out(g, spec, mesh):
     if spec == P():
         return g
     if any(mesh._name_to_type[n] == AxisType.Explicit for n in _axis_names(spec)):
-        return jax.reshard(g, spec)
+        return reshard(g, spec)
     return lax.with_sharding_constraint(g, spec)
 
 
@@ -253,7 +254,7 @@ def _split_rows(x, mesh, axis_name):
     spec = tuple(jax.typeof(x).sharding.spec)
     if spec[:1] == (axis_name,):
         return x
-    return jax.reshard(x, jax.sharding.NamedSharding(mesh, P(axis_name, *spec[1:])))
+    return reshard(x, jax.sharding.NamedSharding(mesh, P(axis_name, *spec[1:])))
 
 
 def _with_clear_constraint_errors(call, axis_name):

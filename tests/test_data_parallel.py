@@ -80,8 +80,9 @@ def test_explicit_mesh_axes_and_bf16(cpu_devices):
     _, exact = jax.value_and_grad(mse)(params, x, y)
     assert jax.tree.map(lambda g: (g.shape, g.dtype), grads) == \
         jax.tree.map(lambda g: (g.shape, g.dtype), exact)
-    err = float(jnp.linalg.norm((grads["w1"] - exact["w1"]).astype(jnp.float32)))
-    assert err < 0.05 * float(jnp.linalg.norm(exact["w1"].astype(jnp.float32)))
+    # In numpy: the two arrays live on different meshes (jax 0.9 refuses mixing them).
+    got, want = (np.asarray(g["w1"]).astype(np.float32) for g in (grads, exact))
+    assert np.linalg.norm(got - want) < 0.05 * np.linalg.norm(want)
 
 
 def test_noise_comes_from_the_step(cpu_devices):

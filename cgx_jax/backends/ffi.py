@@ -11,6 +11,8 @@ The contract of each operation is in docs/design.md section 3.
 from __future__ import annotations
 
 import functools
+import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -47,11 +49,42 @@ def has_cuda_support() -> bool:
     return _import_cuda_module() is not None
 
 
+def running_ffi_api_version() -> tuple[int, int] | None:
+    """The XLA FFI API version of the running jaxlib, read from the FFI headers it ships
+    (``jax.ffi.include_dir()``); ``None`` where they cannot be read."""
+    try:
+        path = os.path.join(jax.ffi.include_dir(), "xla", "ffi", "api", "c_api.h")
+        with open(path, encoding="utf-8") as header:
+            text = header.read()
+    except (AttributeError, OSError):
+        return None
+    found = [re.search(rf"#define XLA_FFI_API_{part}\s+(\d+)", text)
+             for part in ("MAJOR", "MINOR")]
+    return None if None in found else (int(found[0].group(1)), int(found[1].group(1)))
+
+
+def check_ffi_api_version(module) -> None:
+    """``RuntimeError`` when ``module`` was built against a newer XLA FFI API than the
+    running jaxlib's: XLA would refuse its handlers at the first call with an
+    INVALID_ARGUMENT that does not say what to do."""
+    built, running = tuple(module.ffi_api_version()), running_ffi_api_version()
+    if running is None or built <= running:
+        return
+    import jaxlib
+    raise RuntimeError(
+        f"{module.__name__} was built against XLA FFI API {built[0]}.{built[1]}, but the "
+        f"running jaxlib {jaxlib.__version__} has API {running[0]}.{running[1]}, and XLA only "
+        f"runs handlers built for its own API version or an older one. Install a newer "
+        f"jaxlib (pip install -U jax jaxlib), or rebuild cgx_jax against this one: "
+        f"pip install --no-build-isolation --force-reinstall --no-deps <cgx_jax source>")
+
+
 @functools.cache
 def _register() -> None:
     """Registers the targets once, on first use: "cpu" always, "CUDA" when JAX has a GPU."""
     from cgx_jax import _cgx_cpu
 
+    check_ffi_api_version(_cgx_cpu)
     for name, capsule in _cgx_cpu.registrations().items():
         jax.ffi.register_ffi_target(name, capsule, platform="cpu")
     if not _jax_has_gpu():
@@ -65,6 +98,7 @@ def _register() -> None:
                 "--no-deps cgx_jax (or pass backend='jax' to use the pure-JAX codec)."
             )
         return
+    check_ffi_api_version(cuda)
     for name, capsule in cuda.registrations().items():
         jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
 

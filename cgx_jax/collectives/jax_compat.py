@@ -3,8 +3,12 @@ breaks this file only (docs/design.md section 1)."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jax import lax
+
+# jax.reshard is public from jax 0.9 on; older versions have it as jax.sharding.reshard.
+reshard = getattr(jax, "reshard", None) or jax.sharding.reshard
 
 try:  # typed Varying -> Invariant; public jax.lax has only the Varying -> Varying all_gather
     from jax._src.lax.parallel import all_gather_invariant as _jax_all_gather_invariant
@@ -26,3 +30,4 @@ def gather_invariant(x, axis_name, *, tiled=False):
     rows = lax.psum(lax.dynamic_update_index_in_dim(rows, x, lax.axis_index(axis_name), 0),
                     axis_name)
     return rows.reshape((-1,) + x.shape[1:]) if tiled else rows
+

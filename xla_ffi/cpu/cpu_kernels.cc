@@ -266,6 +266,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(cgx_reduce_requantize_cpu, ReduceRequantize,
 }  // namespace cgx
 
 NB_MODULE(_cgx_cpu, m) {
+  cgx::define_common(m);
   m.def("registrations", []() {
     return cgx::registrations(reinterpret_cast<void*>(cgx::cgx_quantize_cpu),
                               reinterpret_cast<void*>(cgx::cgx_dequantize_cpu),

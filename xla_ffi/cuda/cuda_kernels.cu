@@ -755,6 +755,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(cgx_reduce_requantize_cuda, ReduceRequantize,
 }  // namespace cgx
 
 NB_MODULE(_cgx_cuda, m) {
+  cgx::define_common(m);
   m.def("registrations", []() {
     return cgx::registrations(reinterpret_cast<void*>(cgx::cgx_quantize_cuda),
                               reinterpret_cast<void*>(cgx::cgx_dequantize_cuda),
