@@ -10,6 +10,7 @@ from cgx_jax.adaptive import (AdaptiveConfig, ErrorTable, fit_policy, layer_erro
                               refit_policy)
 from cgx_jax.api import compressed_pmean, compressed_psum, dequantize, quantize
 from cgx_jax.codec import Codec, packet_bytes, wire_bytes
+from cgx_jax.consistency import ProcessesDisagreeError
 from cgx_jax.data_parallel import init_residual, value_and_grad
 from cgx_jax.backends.ffi import has_cuda_support
 from cgx_jax.optax_transform import (CompressedAllReduceState, compressed_allreduce,
@@ -26,6 +27,7 @@ __all__ = [
     "CompressedAllReduceState",
     "ErrorTable",
     "LayerPolicy",
+    "ProcessesDisagreeError",
     "compressed_allreduce",
     "compressed_pmean",
     "compressed_psum",

@@ -20,6 +20,7 @@ import numpy as np
 from jax import lax
 
 from cgx_jax import fusion, memory
+from cgx_jax.consistency import check_processes_agree, installed_version
 from cgx_jax.backends import BACKENDS, get_backend
 from cgx_jax.codec import Codec, pad_to_multiple, padded_length, packet_bytes
 from cgx_jax.collectives import (ALGORITHMS, Plan, allreduce_segments, axis_tuple, num_phases,
@@ -211,6 +212,8 @@ def reduce_tree(x, axis_name, *, codec=None, policy=None, key=None, algorithm="a
             bufs.append(buf)
             lengths.append(length)
     seeds = jnp.concatenate(seeds) if seeds else None
+    check_processes_agree(_wire_settings(leaves, exact, segments, codecs, bufs, algorithm,
+                                         num_participants, inner_size, mean))
     batches = ([range(len(segments))] if rows is not None and segments
                else [range(s, s + 1) for s in range(len(segments))])
     for batch in batches:
@@ -232,6 +235,22 @@ def reduce_tree(x, axis_name, *, codec=None, policy=None, key=None, algorithm="a
     if local_error:
         return result, jax.tree_util.tree_unflatten(treedef, errors)
     return result
+
+
+def _wire_settings(leaves, exact, segments, codecs, bufs, algorithm, num_participants,
+                   inner_size, mean) -> dict:
+    """What shapes this all-reduce's traffic, for ``check_processes_agree``."""
+    return {
+        "cgx_jax version": installed_version(),
+        "algorithm": algorithm,
+        "participants (outer, inner)": [num_participants, inner_size],
+        "mean": mean,
+        "leaves": [f"{leaf.dtype}{list(leaf.shape)}" for leaf in leaves],
+        "exact leaves": [int(i) for i in exact],
+        "segments (codec, leaves, values)": [
+            [repr(codec), [int(i) for i in segment], int(buf.size)]
+            for codec, segment, buf in zip(codecs, segments, bufs)],
+    }
 
 
 def warn_nothing_compressed(policy: LayerPolicy, leaves) -> None:

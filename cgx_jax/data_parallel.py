@@ -376,8 +376,9 @@ def init_residual(params, *, mesh: Mesh, axis_name: str, param_specs=None):
         >>> import jax, jax.numpy as jnp, cgx_jax as cgx
         >>> mesh = jax.make_mesh((len(jax.devices()),), ("data",))
         >>> r = cgx.init_residual({"w": jnp.ones((4, 4))}, mesh=mesh, axis_name="data")
-        >>> r["w"].shape == (len(jax.devices()), 4, 4), r["w"].sharding.spec
-        (True, P('data',))
+        >>> from jax.sharding import PartitionSpec as P
+        >>> r["w"].shape == (len(jax.devices()), 4, 4), r["w"].sharding.spec == P("data")
+        (True, True)
     """
     if _is_nnx_module(params):
         from flax import nnx

@@ -21,7 +21,9 @@ stderr). When a process exits non-zero, the launcher stops the others (SIGTERM t
 process groups, SIGKILL after ``--grace`` seconds), says which rank failed with which exit
 code and exits non-zero itself (the failed rank's code, 128+signal for a signal); after
 ``--timeout`` seconds it stops everything and exits 124. It never waits on a hung peer.
-SIGTERM, SIGHUP and Ctrl-C stop every process too (exit code 130).
+SIGTERM, SIGHUP and Ctrl-C stop every process too (exit code 130). Each process is started
+through ``cgx_jax.launch_child``, which has Linux SIGKILL it when the launcher exits, so a
+launcher killed with SIGKILL takes its processes with it.
 
 ``--link RATE`` (``1gbit``, ``100mbit``, ...; root only) runs each process in its own network
 namespace joined to the others by a link of that rate (``cgx_jax.netem``; the coordinator
@@ -59,6 +61,8 @@ ENV_COORDINATOR = "CGX_JAX_COORDINATOR"
 ENV_NUM_PROCESSES = "CGX_JAX_NUM_PROCESSES"
 ENV_PROCESS_ID = "CGX_JAX_PROCESS_ID"
 ENV_LOCAL_DEVICES = "CGX_JAX_LOCAL_DEVICES"
+# Started by path, not with -m, so it does not import the cgx_jax package (and jax).
+CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "launch_child.py")
 
 
 def _exit_on_uncaught_exception() -> None:
@@ -245,8 +249,9 @@ def _run(command, num_processes, devices_per_process, port, host, timeout, grace
     try:
         for rank in range(num_processes):
             process = subprocess.Popen(
-                command, env=child_environment(rank, num_processes, devices_per_process, port,
-                                               host=host),
+                [sys.executable, CHILD, str(os.getpid()), *command],
+                env=child_environment(rank, num_processes, devices_per_process, port,
+                                      host=host),
                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                 start_new_session=True)
             processes.append(process)

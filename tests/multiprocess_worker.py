@@ -10,7 +10,7 @@ raises after joining, the others wait in a collective. Each rank writes
 which rows those are. The test process runs ``compute`` on a sub-mesh of simulated devices
 and compares bitwise. MODE ``hier_large``: ``compute_large`` (a hierarchical reduction of
 multi-MiB pieces, several calls); each rank writes ``OUT_DIR/rank{i}.json`` with the SHA-256
-of each of its result rows.
+of each of its result rows. MODE ``disagree:SETTING``: see ``disagree``.
 """
 
 import os
@@ -137,6 +137,55 @@ def local_rows(array):
     return rows, mine
 
 
+def disagreeing_call(rank: int, setting: str):
+    """A compressed_psum whose ``setting`` differs on rank 1 (the issue's report: 4 bits on
+    one rank, 2 on the other), as keyword arguments."""
+    import cgx_jax as cgx
+    odd = rank == 1
+    codec = dict(bits=4, bucket_size=1024)
+    if setting == "bits":
+        codec["bits"] = 2 if odd else 4
+    if setting == "bucket_size":
+        codec["bucket_size"] = 512 if odd else 1024
+    if setting == "policy":
+        return dict(policy=cgx.LayerPolicy(min_size=10**9 if odd else 1024), algorithm="sra")
+    algorithm = ("allgather" if odd else "sra") if setting == "algorithm" else "sra"
+    return dict(codec=cgx.Codec(**codec), algorithm=algorithm)
+
+
+def disagree(out_dir: str, rank: int, devices, mode: str) -> None:
+    """MODE ``disagree:SETTING``: rank 1 runs the all-reduce with another SETTING; each rank
+    writes what it got to ``OUT_DIR/rank{i}.txt``. ``disagree_uncaught:SETTING``: the error
+    is left to end the process, as in a user's script."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    import cgx_jax as cgx
+
+    setting = mode.split(":")[1]
+    mesh = flat_mesh(devices)
+    kwargs = disagreeing_call(rank, setting)
+    step = jax.jit(jax.shard_map(
+        lambda x, key: cgx.compressed_psum(x[0].reshape(256, 256), "batch", key=key,
+                                           **kwargs).reshape(1, -1),
+        mesh=mesh, in_specs=(P("batch"), P()), out_specs=P("batch")))
+    x = jax.make_array_from_callback(
+        (len(devices), 65536), jax.sharding.NamedSharding(mesh, P("batch")),
+        lambda index: np.ones((len(devices), 65536), np.float32)[index])
+    if mode.startswith("disagree_uncaught"):
+        jax.block_until_ready(step(x, jax.random.key(0)))
+        print(f"process {rank}: returned a result", flush=True)
+        return
+    try:
+        jax.block_until_ready(step(x, jax.random.key(0)))
+        outcome = "returned a result"
+    except cgx.ProcessesDisagreeError as error:
+        outcome = f"ProcessesDisagreeError: {error}"
+    with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
+        f.write(outcome)
+
+
 def main(out_dir: str, mode: str) -> None:
     from cgx_jax.launch import initialize
 
@@ -159,6 +208,9 @@ def main(out_dir: str, mode: str) -> None:
         for _ in range(1000):  # blocks on the dead peer until the launcher stops it
             jax.block_until_ready(fn(arg))
         sys.exit(0)
+    if mode.startswith("disagree"):
+        disagree(out_dir, rank, devices, mode)
+        return
     if mode == "hier_large":
         import json
         digests = compute_large(hier_mesh(devices, num_processes))

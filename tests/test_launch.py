@@ -7,6 +7,8 @@ namespaces the launch runs unshaped and says so; bad --link arguments exit with 
 The namespace tests need root and skip elsewhere."""
 
 import io
+import os
+import select
 import signal
 import subprocess
 import sys
@@ -44,6 +46,43 @@ def test_launcher_environment_prefix_and_timeout():
                 and "--xla_force_host_platform_device_count=2" in done.stdout)
         assert f"[rank {rank}] oops" in done.stderr
     assert "timed out after 2 s; ranks still running: [1]" in done.stderr
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl is Linux's")
+def test_processes_die_with_a_launcher_killed_by_sigkill():
+    command = [sys.executable, "-m", "cgx_jax.launch", "-n", "2", "--",
+               "bash", "-c", 'echo "pid=$$"; exec sleep 60']
+    launcher = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    pids = []
+    try:
+        deadline = time.monotonic() + 30
+        while len(pids) < 2 and time.monotonic() < deadline:
+            ready, _, _ = select.select([launcher.stdout], [], [], 1.0)
+            if ready:
+                line = launcher.stdout.readline()
+                if "pid=" in line:
+                    pids.append(int(line.split("pid=")[1]))
+        assert len(pids) == 2, pids
+        launcher.kill()  # SIGKILL: the launcher cannot stop anything itself
+        launcher.wait()
+        deadline = time.monotonic() + 10
+        while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(alive(pid) for pid in pids), [p for p in pids if alive(p)]
+    finally:
+        launcher.kill()
+        for pid in pids:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
 
 
 # ---------------------------------------------------------------------------

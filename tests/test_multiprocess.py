@@ -5,6 +5,7 @@ with multi-MiB hierarchical pieces. The launcher itself is tested in test_launch
 
 import json
 import os
+import re
 
 import jax
 import numpy as np
@@ -55,3 +56,35 @@ def test_hierarchical_large_pieces_across_processes(tmp_path):
     want = worker.compute_large(worker.hier_mesh(jax.devices("cpu")[:4], 2))
     assert len(want) == worker.LARGE_CALLS and all(len(rows) == 4 for rows in want.values())
     assert got == want
+
+
+# ---------------------------------------------------------------------------
+# Processes that disagree on the wire (cgx_jax/consistency.py)
+# ---------------------------------------------------------------------------
+
+EXPECTED_DIFFERENCE = {  # setting changed on rank 1 -> a line the error must hold
+    "bits": r"segments \(codec, leaves, values\): .*bits=4.* on process 0; .*bits=2.* on process 1",
+    "bucket_size": r"segments .*bucket_size=1024.* on process 0; .*bucket_size=512.* on process 1",
+    "policy": r"exact leaves: \[\] on process 0; \[0\] on process 1",
+    "algorithm": r"algorithm: \"sra\" on process 0; \"allgather\" on process 1",
+}
+
+
+@pytest.mark.parametrize("setting", sorted(EXPECTED_DIFFERENCE))
+def test_processes_that_disagree_get_a_clear_error_and_nothing_else(tmp_path, setting):
+    done, _ = launch_worker(2, 1, tmp_path, f"disagree:{setting}", timeout=90)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    for rank in range(2):
+        outcome = (tmp_path / f"rank{rank}.txt").read_text()
+        assert outcome.startswith("ProcessesDisagreeError: cgx_jax: the processes disagree"), \
+            outcome
+        assert re.search(EXPECTED_DIFFERENCE[setting], outcome), outcome
+    assert "terminate called" not in done.stderr and "Gloo" not in done.stderr
+
+
+def test_a_disagreeing_script_ends_with_the_error_not_an_abort(tmp_path):
+    done, seconds = launch_worker(2, 1, tmp_path, "disagree_uncaught:bits", timeout=90)
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "returned a result" not in done.stdout
+    assert "ProcessesDisagreeError: cgx_jax: the processes disagree" in done.stderr
+    assert "terminate called" not in done.stderr and "Gloo" not in done.stderr

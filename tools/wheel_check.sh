@@ -32,7 +32,7 @@ WHEEL=$(ls "$WORK"/wheelhouse/*.whl)
 # The tests and what they read, without the package's sources: the installed wheel is what
 # they import. (The doctests run from the installed modules.)
 mkdir -p "$WORK/tree"
-cp -r "$ROOT/tests" "$ROOT/examples" "$ROOT/xla_ffi" "$WORK/tree/"
+cp -r "$ROOT/tests" "$ROOT/examples" "$ROOT/xla_ffi" "$ROOT/CMakeLists.txt" "$WORK/tree/"
 printf '[pytest]\naddopts = -ra -n auto --maxprocesses=4 -p no:cacheprovider\n' \
   > "$WORK/tree/pytest.ini"
 

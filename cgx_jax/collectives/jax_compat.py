@@ -31,3 +31,9 @@ def gather_invariant(x, axis_name, *, tiled=False):
                     axis_name)
     return rows.reshape((-1,) + x.shape[1:]) if tiled else rows
 
+
+def distributed_client():
+    """This process's ``jax.distributed`` client (its key-value store), ``None`` before
+    ``jax.distributed.initialize``."""
+    from jax._src import distributed
+    return distributed.global_state.client
