@@ -3,11 +3,12 @@ through Gloo), for tests, examples and benchmarks of multi-process data parallel
 
 Usage::
 
-    python -m cgx_jax.launch -n 4 [--devices-per-process 2] [--timeout 600] [--link 1gbit] -- \\
-        python train.py --steps 100
+    python -m cgx_jax.launch -n 4 [--devices-per-process 2] [--timeout 600] [--link 1gbit] \\
+        [--heartbeat-timeout 10] -- python train.py --steps 100
 
 Every process gets ``CGX_JAX_COORDINATOR`` (``127.0.0.1:PORT``, a free port),
-``CGX_JAX_NUM_PROCESSES``, ``CGX_JAX_PROCESS_ID`` and ``CGX_JAX_LOCAL_DEVICES``, plus
+``CGX_JAX_NUM_PROCESSES``, ``CGX_JAX_PROCESS_ID``, ``CGX_JAX_LOCAL_DEVICES`` and
+``CGX_JAX_HEARTBEAT_TIMEOUT``, plus
 ``XLA_FLAGS=--xla_force_host_platform_device_count=K`` (K simulated CPU devices each),
 ``JAX_PLATFORMS=cpu`` unless set already, and ``PYTHONUNBUFFERED=1``. The script calls
 ``cgx_jax.launch.initialize()`` before it uses JAX; afterwards ``jax.devices()`` lists the
@@ -19,7 +20,9 @@ devices of all processes and a ``Mesh`` over them spans processes::
 Each line a process prints comes out prefixed with ``[rank i] `` (stdout to stdout, stderr to
 stderr). When a process exits non-zero, the launcher stops the others (SIGTERM to their
 process groups, SIGKILL after ``--grace`` seconds), says which rank failed with which exit
-code and exits non-zero itself (the failed rank's code, 128+signal for a signal); after
+code, shows its last lines and exits non-zero itself (the failed rank's code, 128+signal
+for a signal; a rank whose link went down is named as such, see docs/design.md section 9);
+after
 ``--timeout`` seconds it stops everything and exits 124. It never waits on a hung peer.
 SIGTERM, SIGHUP and Ctrl-C stop every process too (exit code 130). Each process is started
 through ``cgx_jax.launch_child``, which has Linux SIGKILL it when the launcher exits, so a
@@ -47,7 +50,10 @@ see docs/design.md section 9.
 from __future__ import annotations
 
 import argparse
+import collections
+import math
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -61,6 +67,16 @@ ENV_COORDINATOR = "CGX_JAX_COORDINATOR"
 ENV_NUM_PROCESSES = "CGX_JAX_NUM_PROCESSES"
 ENV_PROCESS_ID = "CGX_JAX_PROCESS_ID"
 ENV_LOCAL_DEVICES = "CGX_JAX_LOCAL_DEVICES"
+ENV_HEARTBEAT_TIMEOUT = "CGX_JAX_HEARTBEAT_TIMEOUT"
+# Seconds without a heartbeat after which jax.distributed declares a process dead (JAX's own
+# default is 100 s). Heartbeats come from a background thread, so compiling or a long step
+# does not miss them; a process that died or lost its link is noticed within this time.
+DEFAULT_HEARTBEAT_TIMEOUT = 10
+LAST_LINES = 15  # of a failed rank's output, shown by the launcher
+# jax.distributed's coordination service names the processes it lost contact with on the
+# line after this one; a C++ stack frame line says nothing to a user.
+UNHEALTHY = re.compile(r"tasks are unhealthy \(stopped sending heartbeats\)")
+STACK_FRAME = re.compile(r"^\s+@\s+0x")
 # Started by path, not with -m, so it does not import the cgx_jax package (and jax).
 CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "launch_child.py")
 
@@ -86,7 +102,8 @@ def _exit_on_uncaught_exception() -> None:
     sys.excepthook = hook
 
 
-def initialize(exit_on_exception: bool | None = None) -> tuple[int, int]:
+def initialize(exit_on_exception: bool | None = None,
+               heartbeat_timeout: float | None = None) -> tuple[int, int]:
     """Joins this process to the distributed JAX runtime; returns ``(process_id,
     num_processes)``.
 
@@ -100,6 +117,10 @@ def initialize(exit_on_exception: bool | None = None) -> tuple[int, int]:
     failure and stops the other ranks, instead of this process waiting in JAX's shutdown
     barrier for peers that wait for it. (``sys.exit(code)`` is not an exception that
     reaches this hook: to fail fast with a code of your own, use ``os._exit(code)``.)
+
+    ``heartbeat_timeout``: seconds without a heartbeat after which ``jax.distributed``
+    declares a process dead and fails the others (default: the launcher's
+    ``--heartbeat-timeout``, else ``DEFAULT_HEARTBEAT_TIMEOUT``, 10 s; JAX's own is 100 s).
     """
     import jax
 
@@ -112,13 +133,20 @@ def initialize(exit_on_exception: bool | None = None) -> tuple[int, int]:
     launched = ENV_PROCESS_ID in os.environ
     if exit_on_exception if exit_on_exception is not None else launched:
         _exit_on_uncaught_exception()
+    if heartbeat_timeout is None:
+        heartbeat_timeout = float(os.environ.get(ENV_HEARTBEAT_TIMEOUT,
+                                                 DEFAULT_HEARTBEAT_TIMEOUT))
+    if not heartbeat_timeout > 0:
+        raise ValueError(f"heartbeat_timeout must be a positive number of seconds, got "
+                         f"{heartbeat_timeout!r}")
+    heartbeat = {"heartbeat_timeout_seconds": max(1, math.ceil(heartbeat_timeout))}
     if launched:
         jax.distributed.initialize(
             coordinator_address=os.environ[ENV_COORDINATOR],
             num_processes=int(os.environ[ENV_NUM_PROCESSES]),
-            process_id=int(os.environ[ENV_PROCESS_ID]))
+            process_id=int(os.environ[ENV_PROCESS_ID]), **heartbeat)
     else:
-        jax.distributed.initialize()
+        jax.distributed.initialize(**heartbeat)
     keep_freed_memory_on_cpu()  # as a compressed collective would (cgx_jax/memory.py)
     return jax.process_index(), jax.process_count()
 
@@ -131,7 +159,8 @@ def free_port() -> int:
 
 
 def child_environment(rank: int, num_processes: int, devices_per_process: int, port: int,
-                      base=None, host: str = "127.0.0.1") -> dict:
+                      base=None, host: str = "127.0.0.1",
+                      heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT) -> dict:
     env = dict(os.environ if base is None else base)
     flags = [f for f in env.get("XLA_FLAGS", "").split()
              if not f.startswith("--xla_force_host_platform_device_count")]
@@ -141,6 +170,7 @@ def child_environment(rank: int, num_processes: int, devices_per_process: int, p
         ENV_NUM_PROCESSES: str(num_processes),
         ENV_PROCESS_ID: str(rank),
         ENV_LOCAL_DEVICES: str(devices_per_process),
+        ENV_HEARTBEAT_TIMEOUT: f"{heartbeat_timeout:g}",
         "XLA_FLAGS": " ".join(flags),
         "PYTHONUNBUFFERED": "1",
     })
@@ -151,16 +181,24 @@ def child_environment(rank: int, num_processes: int, devices_per_process: int, p
 class _Forwarder(threading.Thread):
     """Copies one pipe to ``sink`` line by line with a rank prefix."""
 
-    def __init__(self, pipe, sink, prefix: str, lock: threading.Lock):
+    def __init__(self, pipe, sink, prefix: str, lock: threading.Lock, last_lines, lost):
         super().__init__(daemon=True)
         self.pipe, self.sink, self.prefix, self.lock = pipe, sink, prefix, lock
+        self.last_lines = last_lines  # the rank's latest lines (both streams), no stack frames
+        self.lost = lost  # the ranks the coordination service lost contact with
 
     def run(self):
+        unhealthy_next = False
         for raw in iter(self.pipe.readline, b""):
             line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
             with self.lock:
                 self.sink.write(f"{self.prefix}{line}\n")
                 self.sink.flush()
+                if not STACK_FRAME.match(line):
+                    self.last_lines.append(line)
+                if unhealthy_next and re.fullmatch(r"[\d,\s]+", line):
+                    self.lost.update(int(task) for task in re.findall(r"\d+", line))
+                unhealthy_next = bool(UNHEALTHY.search(line))
         self.pipe.close()
 
 
@@ -204,11 +242,13 @@ def _describe(returncode: int) -> str:
 def launch(command, num_processes: int, devices_per_process: int = 1, *,
            timeout: float | None = None, grace: float = 5.0, port: int | None = None,
            stdout=None, stderr=None, link: str | None = None, netns_prefix: str = "cgxlaunch",
-           subnet: str = "10.213.1") -> int:
+           subnet: str = "10.213.1",
+           heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT) -> int:
     """Runs ``command`` (a list) as ``num_processes`` processes; returns the exit code the
     launcher exits with (0 when every process exited 0). ``link``: a tc rate such as
     ``"1gbit"`` to run them on an emulated network (``cgx_jax.netem``), ``None`` or
-    ``"none"`` for loopback.
+    ``"none"`` for loopback. ``heartbeat_timeout``: passed to every process's
+    ``initialize()``.
 
     Example:
         >>> import sys
@@ -234,42 +274,52 @@ def launch(command, num_processes: int, devices_per_process: int = 1, *,
                 host, command = network.address(0), network.wrap(command)
                 say(f"{num_processes} processes in network namespaces {netns_prefix}0.., "
                     f"{link} links; coordinator {host}:{port}")
-            return _run(command, num_processes, devices_per_process, port, host, timeout,
-                        grace, stdout, stderr, lock, say)
+            environments = [child_environment(rank, num_processes, devices_per_process, port,
+                                              host=host, heartbeat_timeout=heartbeat_timeout)
+                            for rank in range(num_processes)]
+            return _run(command, environments, timeout, grace, stdout, stderr, lock, say)
     except KeyboardInterrupt:  # while the network was being built
         say("interrupted; stopping all processes")
         return 130
 
 
-def _run(command, num_processes, devices_per_process, port, host, timeout, grace, stdout,
-         stderr, lock, say) -> int:
-    """Starts the processes, forwards their output, waits; stops them all on the first
-    failure, the timeout or an interrupt. Returns the launcher's exit code."""
-    processes, forwarders = [], []
+def _run(command, environments, timeout, grace, stdout, stderr, lock, say) -> int:
+    """Starts one process per environment, forwards their output, waits; stops them all on
+    the first failure, the timeout or an interrupt, and shows the failed rank's last lines.
+    Returns the launcher's exit code."""
+    processes, forwarders, failure, lost = [], [], None, set()
+    last_lines = [collections.deque(maxlen=LAST_LINES) for _ in environments]
+    exits = []  # (rank, return code) in the order the processes exited
+
+    def wait_for(rank, process):
+        code = process.wait()  # a thread each, so the order of exits is exact
+        with lock:
+            exits.append((rank, code))
     try:
-        for rank in range(num_processes):
+        for rank, env in enumerate(environments):
             process = subprocess.Popen(
-                [sys.executable, CHILD, str(os.getpid()), *command],
-                env=child_environment(rank, num_processes, devices_per_process, port,
-                                      host=host),
+                [sys.executable, CHILD, str(os.getpid()), *command], env=env,
                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                 start_new_session=True)
             processes.append(process)
+            threading.Thread(target=wait_for, args=(rank, process), daemon=True).start()
             for pipe, sink in ((process.stdout, stdout), (process.stderr, stderr)):
-                forwarder = _Forwarder(pipe, sink, f"[rank {rank}] ", lock)
+                forwarder = _Forwarder(pipe, sink, f"[rank {rank}] ", lock, last_lines[rank],
+                                       lost)
                 forwarder.start()
                 forwarders.append(forwarder)
         start = time.monotonic()
         code = 0
         while True:
+            with lock:
+                failed = [(rank, c) for rank, c in exits if c != 0]
             codes = [p.poll() for p in processes]
-            failed = [(rank, c) for rank, c in enumerate(codes) if c not in (None, 0)]
             if failed:
-                rank, returncode = failed[0]
+                failure = failed[0]
                 others = sum(c is None for c in codes)
-                say(f"rank {rank} failed with {_describe(returncode)}; stopping the "
+                say(f"rank {failure[0]} failed with {_describe(failure[1])}; stopping the "
                     f"{others} process(es) still running")
-                code = _exit_code(returncode) or 1
+                code = _exit_code(failure[1]) or 1
                 break
             if all(c == 0 for c in codes):
                 break
@@ -287,7 +337,24 @@ def _run(command, num_processes, devices_per_process, port, host, timeout, grace
         _stop(processes, grace)
         for forwarder in forwarders:
             forwarder.join(timeout=2.0)
+    if failure is not None:
+        _report(failure, lost, last_lines, say)
     return code
+
+
+def _report(failure, lost, last_lines, say) -> None:
+    """Names the rank that failed first, for the right reason, with its last lines: the
+    first to exit, unless jax.distributed's coordination service had lost contact with
+    another one (a link that went down: that rank stopped sending heartbeats, and the
+    service then stopped the healthy ones, which exit first)."""
+    rank, returncode = failure
+    if lost and rank not in lost:
+        rank = min(lost)
+        say(f"rank {rank} failed first: it lost contact with the others (it stopped sending "
+            f"heartbeats, said jax.distributed's coordination service); rank {failure[0]} "
+            f"then failed with {_describe(returncode)}")
+    say(f"the last lines of rank {rank}:\n" +
+        "\n".join(f"  [rank {rank}] {line}" for line in last_lines[rank]))
 
 
 def _interrupt(signum, frame):
@@ -312,6 +379,10 @@ def main(argv=None) -> int:
     parser.add_argument("--link", default=None,
                         help="emulate links of this tc rate between the processes (1gbit, "
                              "100mbit, ...; root only, else unshaped with a warning)")
+    parser.add_argument("--heartbeat-timeout", type=float, default=DEFAULT_HEARTBEAT_TIMEOUT,
+                        help="seconds without a heartbeat after which jax.distributed "
+                             "declares a process dead and stops the others (default "
+                             f"{DEFAULT_HEARTBEAT_TIMEOUT}; JAX's own is 100)")
     parser.add_argument("--netns-prefix", default="cgxlaunch",
                         help="names of --link's network namespaces: PREFIX0.. and PREFIXhub")
     parser.add_argument("--subnet", default="10.213.1",
@@ -324,6 +395,8 @@ def main(argv=None) -> int:
         parser.error("no command given: python -m cgx_jax.launch -n N -- python script.py")
     if args.num_processes < 1:
         parser.error(f"-n must be at least 1, got {args.num_processes}")
+    if not args.heartbeat_timeout > 0:
+        parser.error(f"--heartbeat-timeout must be positive, got {args.heartbeat_timeout}")
     if args.devices_per_process < 1:
         parser.error(f"--devices-per-process must be at least 1, got {args.devices_per_process}")
     if args.link is not None:
@@ -334,6 +407,7 @@ def main(argv=None) -> int:
         signal.signal(sig, _interrupt)  # stop the processes and remove the network
     return launch(command, args.num_processes, args.devices_per_process,
                   timeout=args.timeout, grace=args.grace, port=args.port, link=args.link,
+                  heartbeat_timeout=args.heartbeat_timeout,
                   netns_prefix=args.netns_prefix, subnet=args.subnet)
 
 

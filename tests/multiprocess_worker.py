@@ -186,6 +186,30 @@ def disagree(out_dir: str, rank: int, devices, mode: str) -> None:
         f.write(outcome)
 
 
+def lose_rank_1(rank: int, devices, mode: str) -> None:
+    """MODE ``die``: rank 1 kills itself with SIGKILL after 5 all-reduces; ``cut``: rank 1
+    takes its network link down (under ``--link``). The others go on until they fail."""
+    import signal
+    import subprocess
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    mesh = flat_mesh(devices)
+    fn = jax.jit(jax.shard_map(lambda v: jax.lax.psum(v, "batch"), mesh=mesh,
+                               in_specs=P("batch"), out_specs=P("batch")))
+    arg = jax.make_array_from_callback(
+        (len(devices), 4), jax.sharding.NamedSharding(mesh, P("batch")),
+        lambda index: np.ones((len(devices), 4), np.float32)[index])
+    for step in range(100000):
+        jax.block_until_ready(fn(arg))
+        if step == 5 and rank == 1:
+            print(f"process 1: losing it at step {step} ({mode})", flush=True)
+            if mode == "die":
+                os.kill(os.getpid(), signal.SIGKILL)
+            subprocess.run(["ip", "link", "set", f"cgxv{rank}", "down"], check=True)
+    sys.exit(0)
+
+
 def main(out_dir: str, mode: str) -> None:
     from cgx_jax.launch import initialize
 
@@ -208,6 +232,9 @@ def main(out_dir: str, mode: str) -> None:
         for _ in range(1000):  # blocks on the dead peer until the launcher stops it
             jax.block_until_ready(fn(arg))
         sys.exit(0)
+    if mode in ("die", "cut"):
+        lose_rank_1(rank, devices, mode)
+        return
     if mode.startswith("disagree"):
         disagree(out_dir, rank, devices, mode)
         return

@@ -12,7 +12,7 @@ from cgx_jax import _cgx_cpu
 from cgx_jax.backends import ffi
 
 # FFI API versions of released jaxlibs, read from the c_api.h each wheel ships.
-KNOWN = {"0.7.0": (0, 1), "0.7.2": (0, 1), "0.10.2": (0, 3)}
+KNOWN = {"0.7.0": (0, 1), "0.7.2": (0, 1), "0.9.0": (0, 2), "0.10.2": (0, 3)}
 
 
 def test_the_running_version_is_read_from_jaxlibs_headers():

@@ -33,16 +33,18 @@ def test_failing_process_stops_the_launch(tmp_path):
 
 def test_launcher_environment_prefix_and_timeout():
     script = ('echo "id=$CGX_JAX_PROCESS_ID n=$CGX_JAX_NUM_PROCESSES at=$CGX_JAX_COORDINATOR '
-              'flags=$XLA_FLAGS"; echo oops >&2; '
+              'hb=$CGX_JAX_HEARTBEAT_TIMEOUT flags=$XLA_FLAGS"; echo oops >&2; '
               'if [ "$CGX_JAX_PROCESS_ID" = 1 ]; then trap "" TERM; sleep 30; fi')
     command = [sys.executable, "-m", "cgx_jax.launch", "-n", "3", "--devices-per-process", "2",
-               "--timeout", "2", "--grace", "0.5", "--", "bash", "-c", script]
+               "--timeout", "2", "--grace", "0.5", "--heartbeat-timeout", "7", "--",
+               "bash", "-c", script]
     start = time.monotonic()
     done = subprocess.run(command, capture_output=True, text=True, timeout=30)
     assert done.returncode == 124
     assert time.monotonic() - start < 15  # SIGKILL after the grace period, not sleep 30
     for rank in range(3):
         assert (f"[rank {rank}] id={rank} n=3 at=127.0.0.1:" in done.stdout
+                and " hb=7 " in done.stdout
                 and "--xla_force_host_platform_device_count=2" in done.stdout)
         assert f"[rank {rank}] oops" in done.stderr
     assert "timed out after 2 s; ranks still running: [1]" in done.stderr
@@ -55,6 +57,17 @@ def alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except (FileNotFoundError, ProcessLookupError):
         return False
+
+
+def test_a_killed_rank_is_named_with_its_last_lines(tmp_path):
+    """Rank 1 dies by SIGKILL; rank 0, waiting in a collective, fails right after. The
+    launcher names rank 1 (it exited first), not the lowest failed rank."""
+    done, seconds = launch_worker(2, 1, tmp_path, "die", timeout=60)
+    assert done.returncode == 128 + signal.SIGKILL, done.stderr[-3000:]
+    assert "rank 1 failed with signal SIGKILL" in done.stderr, done.stderr[-3000:]
+    report = done.stderr.split("the last lines of rank 1:")[1]
+    assert "[rank 1] process 1: losing it at step 5 (die)" in report
+    assert seconds < 30, seconds
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl is Linux's")
@@ -105,6 +118,23 @@ def test_link_runs_each_process_in_its_namespace_bitwise(tmp_path):
     assert f"network namespaces {LINK_PREFIX}0.., 1gbit links; coordinator 10.213.78.1:" in (
         done.stderr)
     assert_bitwise_equal(gather_results(tmp_path, 2), single_process(2))
+    assert not link_namespaces()
+
+
+@needs_netns
+def test_a_rank_that_loses_its_link_is_named_within_the_heartbeat_timeout(tmp_path):
+    """Rank 1 takes its link down: nothing exits until jax.distributed's coordination service
+    (on rank 0) misses its heartbeats and stops everyone, rank 0 first. The launcher names
+    rank 1, and the run ends about a heartbeat timeout after the cut."""
+    assert not link_namespaces(), f"stale namespaces: {link_namespaces()}"
+    done, seconds = launch_worker(2, 1, tmp_path, "cut", timeout=90,
+                                  extra=(*LINK_ARGS, "--heartbeat-timeout", "5"))
+    assert done.returncode != 0
+    assert "rank 1 failed first: it lost contact with the others" in done.stderr, \
+        done.stderr[-3000:]
+    assert "[rank 1] process 1: losing it at step 5 (cut)" in (
+        done.stderr.split("the last lines of rank 1:")[1])
+    assert seconds < 45, seconds  # JAX's default heartbeat timeout alone is 100 s
     assert not link_namespaces()
 
 
