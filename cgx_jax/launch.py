@@ -348,11 +348,12 @@ def _report(failure, lost, last_lines, say) -> None:
     another one (a link that went down: that rank stopped sending heartbeats, and the
     service then stopped the healthy ones, which exit first)."""
     rank, returncode = failure
-    if lost and rank not in lost:
-        rank = min(lost)
+    if lost:
+        rank = rank if rank in lost else min(lost)
+        then = (f"; rank {failure[0]} then failed with {_describe(returncode)}"
+                if rank != failure[0] else "")
         say(f"rank {rank} failed first: it lost contact with the others (it stopped sending "
-            f"heartbeats, said jax.distributed's coordination service); rank {failure[0]} "
-            f"then failed with {_describe(returncode)}")
+            f"heartbeats, said jax.distributed's coordination service){then}")
     say(f"the last lines of rank {rank}:\n" +
         "\n".join(f"  [rank {rank}] {line}" for line in last_lines[rank]))
 

@@ -5,7 +5,8 @@ launch_worker), run under ``python -m cgx_jax.launch``:
 
 MODE ``flat``: every algorithm over a 1-D mesh of all devices of all processes; ``hier``:
 also the hierarchical reduction over a (processes, local devices) mesh; ``fail``: rank 1
-raises after joining, the others wait in a collective. Each rank writes
+raises after joining, the others wait in a collective; ``die`` and ``cut``: see
+``lose_rank_1``. Each rank writes
 ``OUT_DIR/rank{i}.npz`` with, per result, the rows of its own devices (NaN elsewhere) and
 which rows those are. The test process runs ``compute`` on a sub-mesh of simulated devices
 and compares bitwise. MODE ``hier_large``: ``compute_large`` (a hierarchical reduction of
@@ -186,11 +187,9 @@ def disagree(out_dir: str, rank: int, devices, mode: str) -> None:
         f.write(outcome)
 
 
-def lose_rank_1(rank: int, devices, mode: str) -> None:
-    """MODE ``die``: rank 1 kills itself with SIGKILL after 5 all-reduces; ``cut``: rank 1
-    takes its network link down (under ``--link``). The others go on until they fail."""
-    import signal
-    import subprocess
+def psum_steps(devices, steps: int):
+    """Runs ``steps`` small exact all-reduces over all devices, yielding after each; a dead
+    peer makes one of them block or fail."""
     import jax
     from jax.sharding import PartitionSpec as P
 
@@ -200,8 +199,18 @@ def lose_rank_1(rank: int, devices, mode: str) -> None:
     arg = jax.make_array_from_callback(
         (len(devices), 4), jax.sharding.NamedSharding(mesh, P("batch")),
         lambda index: np.ones((len(devices), 4), np.float32)[index])
-    for step in range(100000):
+    for step in range(steps):
         jax.block_until_ready(fn(arg))
+        yield step
+
+
+def lose_rank_1(rank: int, devices, mode: str) -> None:
+    """MODE ``die``: rank 1 kills itself with SIGKILL after 5 all-reduces; ``cut``: rank 1
+    takes its network link down (under ``--link``). The others go on until they fail."""
+    import signal
+    import subprocess
+
+    for step in psum_steps(devices, 100000):
         if step == 5 and rank == 1:
             print(f"process 1: losing it at step {step} ({mode})", flush=True)
             if mode == "die":
@@ -222,15 +231,8 @@ def main(out_dir: str, mode: str) -> None:
     if mode == "fail":
         if rank == 1:
             raise RuntimeError("rank 1 fails on purpose")
-        from jax.sharding import PartitionSpec as P
-        mesh = flat_mesh(devices)
-        fn = jax.jit(jax.shard_map(lambda v: jax.lax.psum(v, "batch"), mesh=mesh,
-                                   in_specs=P("batch"), out_specs=P("batch")))
-        arg = jax.make_array_from_callback(
-            (len(devices), 4), jax.sharding.NamedSharding(mesh, P("batch")),
-            lambda index: np.ones((len(devices), 4), np.float32)[index])
-        for _ in range(1000):  # blocks on the dead peer until the launcher stops it
-            jax.block_until_ready(fn(arg))
+        for _ in psum_steps(devices, 1000):  # blocks on the dead peer until it is stopped
+            pass
         sys.exit(0)
     if mode in ("die", "cut"):
         lose_rank_1(rank, devices, mode)

@@ -8,6 +8,7 @@ The namespace tests need root and skip elsewhere."""
 
 import io
 import os
+import re
 import select
 import signal
 import subprocess
@@ -130,8 +131,11 @@ def test_a_rank_that_loses_its_link_is_named_within_the_heartbeat_timeout(tmp_pa
     done, seconds = launch_worker(2, 1, tmp_path, "cut", timeout=90,
                                   extra=(*LINK_ARGS, "--heartbeat-timeout", "5"))
     assert done.returncode != 0
-    assert "rank 1 failed first: it lost contact with the others" in done.stderr, \
-        done.stderr[-3000:]
+    # Named as lost; or, where rank 1's own agent gave up and it exited before rank 0 said
+    # so, named as the first to exit.
+    assert re.search(r"rank 1 failed (first: it lost contact with the others|with)",
+                     done.stderr), done.stderr[-3000:]
+    assert "rank 0 failed first" not in done.stderr
     assert "[rank 1] process 1: losing it at step 5 (cut)" in (
         done.stderr.split("the last lines of rank 1:")[1])
     assert seconds < 45, seconds  # JAX's default heartbeat timeout alone is 100 s
