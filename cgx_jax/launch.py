@@ -77,6 +77,10 @@ LAST_LINES = 15  # of a failed rank's output, shown by the launcher
 # line after this one; a C++ stack frame line says nothing to a user.
 UNHEALTHY = re.compile(r"tasks are unhealthy \(stopped sending heartbeats\)")
 STACK_FRAME = re.compile(r"^\s+@\s+0x")
+# What a rank prints when it fails because a peer went away first.
+PEER_LOST = re.compile(r"(closed|reset) by peer|Broken pipe|Connection refused|"
+                       r"detected fatal errors|another task died")
+SETTLE_SECONDS = 0.3  # after a first failure, for the exits it causes to be seen
 # Started by path, not with -m, so it does not import the cgx_jax package (and jax).
 CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "launch_child.py")
 
@@ -313,9 +317,13 @@ def _run(command, environments, timeout, grace, stdout, stderr, lock, say) -> in
         while True:
             with lock:
                 failed = [(rank, c) for rank, c in exits if c != 0]
+            if failed:
+                time.sleep(SETTLE_SECONDS)  # the ranks a failure takes down exit within ms
+                with lock:
+                    failed = [(rank, c) for rank, c in exits if c != 0]
+                    failure = _first_failure(failed, last_lines)
             codes = [p.poll() for p in processes]
             if failed:
-                failure = failed[0]
                 others = sum(c is None for c in codes)
                 say(f"rank {failure[0]} failed with {_describe(failure[1])}; stopping the "
                     f"{others} process(es) still running")
@@ -340,6 +348,16 @@ def _run(command, environments, timeout, grace, stdout, stderr, lock, say) -> in
     if failure is not None:
         _report(failure, lost, last_lines, say)
     return code
+
+
+def _first_failure(failed, last_lines):
+    """Of the ranks that failed (in exit order), the first whose output does not say a peer
+    went away first: a rank killed in a collective takes the others down within
+    milliseconds, and on a busy machine they can be seen to exit before it."""
+    for rank, returncode in failed:
+        if not any(PEER_LOST.search(line) for line in last_lines[rank]):
+            return rank, returncode
+    return failed[0]
 
 
 def _report(failure, lost, last_lines, say) -> None:

@@ -127,9 +127,12 @@ def test_a_rank_that_loses_its_link_is_named_within_the_heartbeat_timeout(tmp_pa
     """Rank 1 takes its link down: nothing exits until jax.distributed's coordination service
     (on rank 0) misses its heartbeats and stops everyone, rank 0 first. The launcher names
     rank 1, and the run ends about a heartbeat timeout after the cut."""
-    assert not link_namespaces(), f"stale namespaces: {link_namespaces()}"
-    done, seconds = launch_worker(2, 1, tmp_path, "cut", timeout=90,
-                                  extra=(*LINK_ARGS, "--heartbeat-timeout", "5"))
+    # Namespaces of its own, so it can run beside the other --link tests (xdist).
+    prefix = "cgxtc"
+    assert not netem.namespaces(prefix), f"stale namespaces: {netem.namespaces(prefix)}"
+    done, seconds = launch_worker(2, 1, tmp_path, "cut", timeout=90, extra=(
+        "--link", "1gbit", "--netns-prefix", prefix, "--subnet", "10.213.79",
+        "--heartbeat-timeout", "5"))
     assert done.returncode != 0
     # Named as lost; or, where rank 1's own agent gave up and it exited before rank 0 said
     # so, named as the first to exit.
@@ -139,7 +142,7 @@ def test_a_rank_that_loses_its_link_is_named_within_the_heartbeat_timeout(tmp_pa
     assert "[rank 1] process 1: losing it at step 5 (cut)" in (
         done.stderr.split("the last lines of rank 1:")[1])
     assert seconds < 45, seconds  # JAX's default heartbeat timeout alone is 100 s
-    assert not link_namespaces()
+    assert not netem.namespaces(prefix)
 
 
 @needs_netns
