@@ -315,15 +315,12 @@ def _run(command, environments, timeout, grace, stdout, stderr, lock, say) -> in
         start = time.monotonic()
         code = 0
         while True:
-            with lock:
-                failed = [(rank, c) for rank, c in exits if c != 0]
-            if failed:
+            if any(c != 0 for _, c in exits):
                 time.sleep(SETTLE_SECONDS)  # the ranks a failure takes down exit within ms
                 with lock:
-                    failed = [(rank, c) for rank, c in exits if c != 0]
-                    failure = _first_failure(failed, last_lines)
+                    failure = _first_failure(exits, last_lines)
             codes = [p.poll() for p in processes]
-            if failed:
+            if failure is not None:
                 others = sum(c is None for c in codes)
                 say(f"rank {failure[0]} failed with {_describe(failure[1])}; stopping the "
                     f"{others} process(es) still running")
@@ -350,10 +347,11 @@ def _run(command, environments, timeout, grace, stdout, stderr, lock, say) -> in
     return code
 
 
-def _first_failure(failed, last_lines):
-    """Of the ranks that failed (in exit order), the first whose output does not say a peer
-    went away first: a rank killed in a collective takes the others down within
+def _first_failure(exits, last_lines):
+    """Of the ranks that failed (``exits`` in exit order), the first whose output does not say
+    a peer went away first: a rank killed in a collective takes the others down within
     milliseconds, and on a busy machine they can be seen to exit before it."""
+    failed = [(rank, c) for rank, c in exits if c != 0]
     for rank, returncode in failed:
         if not any(PEER_LOST.search(line) for line in last_lines[rank]):
             return rank, returncode
