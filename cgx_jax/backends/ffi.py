@@ -79,6 +79,34 @@ def check_ffi_api_version(module) -> None:
         f"pip install --no-build-isolation --force-reinstall --no-deps <cgx_jax source>")
 
 
+def _cuda_version_text(version: int) -> str:
+    return f"{version // 1000}.{version % 1000 // 10}"
+
+
+def check_cuda_versions(module) -> None:
+    """``RuntimeError`` when the CUDA module cannot run beside this JAX: built for another
+    CUDA major than JAX's CUDA plugin (an untested mix of two runtimes in one process), or
+    for a newer CUDA major than the installed driver supports (its kernels would fail to
+    launch at the first step)."""
+    from cgx_jax.collectives.jax_compat import jax_cuda_runtime_version  # (import cycle)
+
+    built, driver = module.cuda_versions()
+    jax_runtime = jax_cuda_runtime_version()
+    fixes = ("Install the jax CUDA plugin of the module's major (pip install -U "
+             f"'jax[cuda{built // 1000}]'), or build cgx_jax from source against your CUDA "
+             "toolkit (CGX_JAX_CUDA=ON pip install --no-binary cgx_jax cgx_jax, docs/install.md),"
+             " or pass backend='jax' to use the pure-JAX codec.")
+    if jax_runtime is not None and jax_runtime // 1000 != built // 1000:
+        raise RuntimeError(
+            f"cgx_jax's CUDA module was built with CUDA {_cuda_version_text(built)}, but JAX "
+            f"runs CUDA {_cuda_version_text(jax_runtime)}. {fixes}")
+    if driver and driver // 1000 < built // 1000:
+        raise RuntimeError(
+            f"cgx_jax's CUDA module was built with CUDA {_cuda_version_text(built)}, but the "
+            f"installed NVIDIA driver supports CUDA {_cuda_version_text(driver)} at most. "
+            f"Upgrade the driver, or: {fixes}")
+
+
 @functools.cache
 def _register() -> None:
     """Registers the targets once, on first use: "cpu" always, "CUDA" when JAX has a GPU."""
@@ -99,6 +127,7 @@ def _register() -> None:
             )
         return
     check_ffi_api_version(cuda)
+    check_cuda_versions(cuda)
     for name, capsule in cuda.registrations().items():
         jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
 

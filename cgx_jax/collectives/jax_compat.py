@@ -37,3 +37,14 @@ def distributed_client():
     ``jax.distributed.initialize``."""
     from jax._src import distributed
     return distributed.global_state.client
+
+
+def jax_cuda_runtime_version() -> int | None:
+    """The CUDA runtime version of JAX's CUDA plugin (``1000 * major + 10 * minor``), ``None``
+    where no CUDA plugin is installed or it does not say."""
+    from jax._src import lib
+    versions = getattr(lib, "cuda_versions", None)
+    try:
+        return int(versions.cuda_runtime_get_version())
+    except Exception:  # no plugin (None), or a plugin without the call, or no CUDA runtime
+        return None

@@ -756,6 +756,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(cgx_reduce_requantize_cuda, ReduceRequantize,
 
 NB_MODULE(_cgx_cuda, m) {
   cgx::define_common(m);
+  // The CUDA runtime is linked statically (CMakeLists.txt), so this module runs on any driver
+  // of its CUDA major or newer, whatever JAX's own runtime is; cgx_jax.backends.ffi compares
+  // these numbers with the driver and JAX's CUDA plugin before registering the targets.
+  m.def("cuda_versions", []() {
+    int driver = 0;
+    if (cudaDriverGetVersion(&driver) != cudaSuccess) driver = 0;
+    return std::make_pair(static_cast<int>(CUDART_VERSION), driver);
+  }, "(runtime, driver): the CUDA runtime this module was built with and the installed "
+     "driver's CUDA version (1000 * major + 10 * minor; driver 0 when none is installed).");
   m.def("registrations", []() {
     return cgx::registrations(reinterpret_cast<void*>(cgx::cgx_quantize_cuda),
                               reinterpret_cast<void*>(cgx::cgx_dequantize_cuda),
