@@ -4,26 +4,38 @@ through Gloo), for tests, examples and benchmarks of multi-process data parallel
 Usage::
 
     python -m cgx_jax.launch -n 4 [--devices-per-process 2] [--timeout 600] [--link 1gbit] \\
-        [--heartbeat-timeout 10] -- python train.py --steps 100
+        [--heartbeat-timeout 10] [--max-restarts 2] -- python train.py --steps 100
 
 Every process gets ``CGX_JAX_COORDINATOR`` (``127.0.0.1:PORT``, a free port),
 ``CGX_JAX_NUM_PROCESSES``, ``CGX_JAX_PROCESS_ID``, ``CGX_JAX_LOCAL_DEVICES`` and
 ``CGX_JAX_HEARTBEAT_TIMEOUT``, plus
 ``XLA_FLAGS=--xla_force_host_platform_device_count=K`` (K simulated CPU devices each),
-``JAX_PLATFORMS=cpu`` unless set already, and ``PYTHONUNBUFFERED=1``. The script calls
-``cgx_jax.launch.initialize()`` before it uses JAX; afterwards ``jax.devices()`` lists the
-devices of all processes and a ``Mesh`` over them spans processes::
+``JAX_PLATFORMS=cpu`` unless set already, ``PYTHONUNBUFFERED=1``, ``JAX_COORDINATOR_ADDRESS``
+and ``cgx_jax/launch_site`` first on ``PYTHONPATH``. The script joins the processes before it
+uses JAX, in one of two ways; afterwards ``jax.devices()`` lists the devices of all
+processes and a ``Mesh`` over them spans processes::
 
     from cgx_jax.launch import initialize
-    process_id, num_processes = initialize()
+    process_id, num_processes = initialize()   # the library's settings too (below)
+
+    jax.distributed.initialize()                # an unmodified script: works as well
+
+The second works through ``launch_site/sitecustomize.py``, which adds the launcher's
+processes to JAX's cluster detection (JAX reads the process count and id from nothing else).
+``initialize()`` also applies the library's process settings: the heartbeat timeout, the
+exit on an uncaught exception and the allocator settings; a plain
+``jax.distributed.initialize()`` gets JAX's defaults (a 100 s heartbeat timeout).
 
 Each line a process prints comes out prefixed with ``[rank i] `` (stdout to stdout, stderr to
 stderr). When a process exits non-zero, the launcher stops the others (SIGTERM to their
 process groups, SIGKILL after ``--grace`` seconds), says which rank failed with which exit
 code, shows its last lines and exits non-zero itself (the failed rank's code, 128+signal
 for a signal; a rank whose link went down is named as such, see docs/design.md section 9);
-after
-``--timeout`` seconds it stops everything and exits 124. It never waits on a hung peer.
+with
+``--max-restarts K`` it then starts all processes again, up to K times, each attempt with
+``CGX_JAX_RESTART_COUNT`` (``restart_count()``) one higher, and the script resumes from its
+own checkpoints (``examples/vit/train.py --checkpoint-dir``). After
+``--timeout`` seconds (all attempts together) it stops everything and exits 124. It never waits on a hung peer.
 SIGTERM, SIGHUP and Ctrl-C stop every process too (exit code 130). Each process is started
 through ``cgx_jax.launch_child``, which has Linux SIGKILL it when the launcher exits, so a
 launcher killed with SIGKILL takes its processes with it.
@@ -68,6 +80,7 @@ ENV_NUM_PROCESSES = "CGX_JAX_NUM_PROCESSES"
 ENV_PROCESS_ID = "CGX_JAX_PROCESS_ID"
 ENV_LOCAL_DEVICES = "CGX_JAX_LOCAL_DEVICES"
 ENV_HEARTBEAT_TIMEOUT = "CGX_JAX_HEARTBEAT_TIMEOUT"
+ENV_RESTART_COUNT = "CGX_JAX_RESTART_COUNT"  # 0 in the first attempt, k in the k-th restart
 # Seconds without a heartbeat after which jax.distributed declares a process dead (JAX's own
 # default is 100 s). Heartbeats come from a background thread, so compiling or a long step
 # does not miss them; a process that died or lost its link is noticed within this time.
@@ -83,6 +96,8 @@ PEER_LOST = re.compile(r"(closed|reset) by peer|Broken pipe|Connection refused|"
 SETTLE_SECONDS = 0.3  # after a first failure, for the exits it causes to be seen
 # Started by path, not with -m, so it does not import the cgx_jax package (and jax).
 CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "launch_child.py")
+# First on every rank's PYTHONPATH: lets jax.distributed.initialize() find the processes.
+SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "launch_site")
 
 
 def _exit_on_uncaught_exception() -> None:
@@ -162,9 +177,22 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def restart_count() -> int:
+    """How many times ``python -m cgx_jax.launch --max-restarts K`` has restarted this run's
+    processes: 0 in the first attempt (and outside the launcher), then 1, 2, ...
+
+    Example:
+        >>> from cgx_jax.launch import restart_count
+        >>> restart_count()
+        0
+    """
+    return int(os.environ.get(ENV_RESTART_COUNT, "0"))
+
+
 def child_environment(rank: int, num_processes: int, devices_per_process: int, port: int,
                       base=None, host: str = "127.0.0.1",
-                      heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT) -> dict:
+                      heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT,
+                      restart: int = 0) -> dict:
     env = dict(os.environ if base is None else base)
     flags = [f for f in env.get("XLA_FLAGS", "").split()
              if not f.startswith("--xla_force_host_platform_device_count")]
@@ -175,6 +203,10 @@ def child_environment(rank: int, num_processes: int, devices_per_process: int, p
         ENV_PROCESS_ID: str(rank),
         ENV_LOCAL_DEVICES: str(devices_per_process),
         ENV_HEARTBEAT_TIMEOUT: f"{heartbeat_timeout:g}",
+        ENV_RESTART_COUNT: str(restart),
+        "JAX_COORDINATOR_ADDRESS": f"{host}:{port}",
+        "PYTHONPATH": os.pathsep.join([SITE] + [p for p in env.get("PYTHONPATH", "").split(
+            os.pathsep) if p and p != SITE]),
         "XLA_FLAGS": " ".join(flags),
         "PYTHONUNBUFFERED": "1",
     })
@@ -200,10 +232,19 @@ class _Forwarder(threading.Thread):
                 self.sink.flush()
                 if not STACK_FRAME.match(line):
                     self.last_lines.append(line)
-                if unhealthy_next and re.fullmatch(r"[\d,\s]+", line):
-                    self.lost.update(int(task) for task in re.findall(r"\d+", line))
-                unhealthy_next = bool(UNHEALTHY.search(line))
+                tasks = _lost_tasks(line) if unhealthy_next else []
+                self.lost.update(tasks)
+                unhealthy_next = bool(tasks or UNHEALTHY.search(line))
         self.pipe.close()
+
+
+def _lost_tasks(line: str) -> list[int]:
+    """The task numbers (process ids) on a line after the coordination service's "tasks are
+    unhealthy": ``1`` or ``1, 3`` (jax 0.10), ``/job:jax_worker/replica:0/task:1`` (jax 0.9);
+    none for any other line."""
+    if re.fullmatch(r"[\d,\s]+", line):
+        return [int(task) for task in re.findall(r"\d+", line)]
+    return [int(task) for task in re.findall(r"^\s*/job:[\w-]+/replica:\d+/task:(\d+)", line)]
 
 
 def _signal_group(process: subprocess.Popen, sig) -> None:
@@ -247,12 +288,14 @@ def launch(command, num_processes: int, devices_per_process: int = 1, *,
            timeout: float | None = None, grace: float = 5.0, port: int | None = None,
            stdout=None, stderr=None, link: str | None = None, netns_prefix: str = "cgxlaunch",
            subnet: str = "10.213.1",
-           heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT) -> int:
+           heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT, max_restarts: int = 0) -> int:
     """Runs ``command`` (a list) as ``num_processes`` processes; returns the exit code the
     launcher exits with (0 when every process exited 0). ``link``: a tc rate such as
     ``"1gbit"`` to run them on an emulated network (``cgx_jax.netem``), ``None`` or
     ``"none"`` for loopback. ``heartbeat_timeout``: passed to every process's
-    ``initialize()``.
+    ``initialize()``. ``max_restarts``: after a rank fails, stop all and start all again,
+    up to this many times (``restart_count()`` tells the processes which attempt they are;
+    resuming is the script's part, from its checkpoints). ``timeout`` bounds all attempts.
 
     Example:
         >>> import sys
@@ -262,7 +305,6 @@ def launch(command, num_processes: int, devices_per_process: int = 1, *,
     """
     stdout = sys.stdout if stdout is None else stdout
     stderr = sys.stderr if stderr is None else stderr
-    port = free_port() if port is None else port
     lock = threading.Lock()
 
     def say(message: str) -> None:
@@ -276,22 +318,40 @@ def launch(command, num_processes: int, devices_per_process: int = 1, *,
             host = "127.0.0.1"
             if network is not None:
                 host, command = network.address(0), network.wrap(command)
-                say(f"{num_processes} processes in network namespaces {netns_prefix}0.., "
-                    f"{link} links; coordinator {host}:{port}")
-            environments = [child_environment(rank, num_processes, devices_per_process, port,
-                                              host=host, heartbeat_timeout=heartbeat_timeout)
-                            for rank in range(num_processes)]
-            return _run(command, environments, timeout, grace, stdout, stderr, lock, say)
+            deadline = None if timeout is None else time.monotonic() + timeout
+            for restart in range(max_restarts + 1):
+                # A new port each attempt: the last coordinator's may still be in TIME_WAIT.
+                coordinator_port = free_port() if port is None else port
+                if network is not None:
+                    say(f"{num_processes} processes in network namespaces {netns_prefix}0.., "
+                        f"{link} links; coordinator {host}:{coordinator_port}")
+                environments = [
+                    child_environment(rank, num_processes, devices_per_process,
+                                      coordinator_port, host=host, restart=restart,
+                                      heartbeat_timeout=heartbeat_timeout)
+                    for rank in range(num_processes)]
+                code, failed = _run(command, environments, timeout, deadline, grace, stdout,
+                                    stderr, lock, say)
+                if not failed:
+                    return code
+                if restart < max_restarts:
+                    say(f"restarting all {num_processes} processes (restart {restart + 1} of "
+                        f"{max_restarts})")
+                elif max_restarts:
+                    say(f"no restarts left (--max-restarts {max_restarts})")
+            return code
     except KeyboardInterrupt:  # while the network was being built
         say("interrupted; stopping all processes")
         return 130
 
 
-def _run(command, environments, timeout, grace, stdout, stderr, lock, say) -> int:
+def _run(command, environments, timeout, deadline, grace, stdout, stderr, lock, say):
     """Starts one process per environment, forwards their output, waits; stops them all on
-    the first failure, the timeout or an interrupt, and shows the failed rank's last lines.
-    Returns the launcher's exit code."""
-    processes, forwarders, failure, lost = [], [], None, set()
+    the first failure, at the ``deadline`` (``time.monotonic()``; ``timeout`` is the seconds
+    it stands for) or an interrupt, and shows the failed rank's last lines.
+    Returns the launcher's exit code and whether a rank failed (which a restart may mend;
+    a timeout or an interrupt it may not)."""
+    processes, forwarders, failure, failed, lost = [], [], None, [], set()
     last_lines = [collections.deque(maxlen=LAST_LINES) for _ in environments]
     exits = []  # (rank, return code) in the order the processes exited
 
@@ -312,13 +372,13 @@ def _run(command, environments, timeout, grace, stdout, stderr, lock, say) -> in
                                        lost)
                 forwarder.start()
                 forwarders.append(forwarder)
-        start = time.monotonic()
         code = 0
         while True:
             if any(c != 0 for _, c in exits):
                 time.sleep(SETTLE_SECONDS)  # the ranks a failure takes down exit within ms
                 with lock:
                     failure = _first_failure(exits, last_lines)
+                    failed = [(rank, c) for rank, c in exits if c != 0]
             codes = [p.poll() for p in processes]
             if failure is not None:
                 others = sum(c is None for c in codes)
@@ -328,7 +388,7 @@ def _run(command, environments, timeout, grace, stdout, stderr, lock, say) -> in
                 break
             if all(c == 0 for c in codes):
                 break
-            if timeout is not None and time.monotonic() - start > timeout:
+            if deadline is not None and time.monotonic() > deadline:
                 running = [rank for rank, c in enumerate(codes) if c is None]
                 say(f"timed out after {timeout:g} s; ranks still running: {running}; "
                     f"stopping them")
@@ -343,8 +403,8 @@ def _run(command, environments, timeout, grace, stdout, stderr, lock, say) -> in
         for forwarder in forwarders:
             forwarder.join(timeout=2.0)
     if failure is not None:
-        _report(failure, lost, last_lines, say)
-    return code
+        _report(failure, failed, lost, last_lines, say)
+    return code, failure is not None and code != 130
 
 
 def _first_failure(exits, last_lines):
@@ -358,11 +418,13 @@ def _first_failure(exits, last_lines):
     return failed[0]
 
 
-def _report(failure, lost, last_lines, say) -> None:
+def _report(failure, failed, lost, last_lines, say) -> None:
     """Names the rank that failed first, for the right reason, with its last lines: the
     first to exit, unless jax.distributed's coordination service had lost contact with
     another one (a link that went down: that rank stopped sending heartbeats, and the
-    service then stopped the healthy ones, which exit first)."""
+    service then stopped the healthy ones, which exit first). The lines are shown once for
+    every failed rank (``failed``: rank, return code) that ended the same way; of the
+    others, each distinct ending's last line."""
     rank, returncode = failure
     if lost:
         rank = rank if rank in lost else min(lost)
@@ -370,8 +432,26 @@ def _report(failure, lost, last_lines, say) -> None:
                 if rank != failure[0] else "")
         say(f"rank {rank} failed first: it lost contact with the others (it stopped sending "
             f"heartbeats, said jax.distributed's coordination service){then}")
-    say(f"the last lines of rank {rank}:\n" +
-        "\n".join(f"  [rank {rank}] {line}" for line in last_lines[rank]))
+    endings = collections.defaultdict(list)  # a rank's last lines -> the ranks that end so
+    for other in sorted({rank, *(r for r, _ in failed)}):
+        endings[tuple(last_lines[other])].append(other)
+    named = endings.pop(tuple(last_lines[rank]))
+    say(f"the last lines of {_ranks(named)}:\n" +
+        "\n".join(f"  [{_ranks(named)}] {line}" for line in last_lines[rank]))
+    for lines, ranks in endings.items():
+        say(f"{_ranks(ranks)} ended differently: {lines[-1] if lines else '(no output)'}")
+
+
+def _ranks(ranks) -> str:
+    """``rank 3``, ``ranks 0-3`` or ``ranks 0-2, 5`` (``ranks`` sorted)."""
+    runs = []
+    for rank in ranks:
+        if runs and rank == runs[-1][1] + 1:
+            runs[-1][1] = rank
+        else:
+            runs.append([rank, rank])
+    text = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)
+    return f"rank {text}" if len(ranks) == 1 else f"ranks {text}"
 
 
 def _interrupt(signum, frame):
@@ -382,8 +462,12 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m cgx_jax.launch",
         description="Run a command as N local JAX processes (jax.distributed on 127.0.0.1, "
-                    "CPU collectives through Gloo). The command calls "
-                    "cgx_jax.launch.initialize() first.")
+                    "CPU collectives through Gloo). The launcher does not join them itself: "
+                    "the command calls cgx_jax.launch.initialize() (which also applies "
+                    "--heartbeat-timeout and the library's process settings) or "
+                    "jax.distributed.initialize() with no arguments (which finds the "
+                    "launcher's processes and gets JAX's defaults). A rank that fails stops "
+                    "all; its last lines are shown once per distinct ending.")
     parser.add_argument("-n", "--num-processes", type=int, required=True)
     parser.add_argument("--devices-per-process", type=int, default=1,
                         help="simulated CPU devices per process (default 1)")
@@ -400,6 +484,10 @@ def main(argv=None) -> int:
                         help="seconds without a heartbeat after which jax.distributed "
                              "declares a process dead and stops the others (default "
                              f"{DEFAULT_HEARTBEAT_TIMEOUT}; JAX's own is 100)")
+    parser.add_argument("--max-restarts", type=int, default=0,
+                        help="after a rank fails, restart all processes up to this many times "
+                             "(default 0); they read the attempt from CGX_JAX_RESTART_COUNT "
+                             "and resume from their own checkpoints")
     parser.add_argument("--netns-prefix", default="cgxlaunch",
                         help="names of --link's network namespaces: PREFIX0.. and PREFIXhub")
     parser.add_argument("--subnet", default="10.213.1",
@@ -414,6 +502,8 @@ def main(argv=None) -> int:
         parser.error(f"-n must be at least 1, got {args.num_processes}")
     if not args.heartbeat_timeout > 0:
         parser.error(f"--heartbeat-timeout must be positive, got {args.heartbeat_timeout}")
+    if args.max_restarts < 0:
+        parser.error(f"--max-restarts must be 0 or more, got {args.max_restarts}")
     if args.devices_per_process < 1:
         parser.error(f"--devices-per-process must be at least 1, got {args.devices_per_process}")
     if args.link is not None:
@@ -424,7 +514,7 @@ def main(argv=None) -> int:
         signal.signal(sig, _interrupt)  # stop the processes and remove the network
     return launch(command, args.num_processes, args.devices_per_process,
                   timeout=args.timeout, grace=args.grace, port=args.port, link=args.link,
-                  heartbeat_timeout=args.heartbeat_timeout,
+                  heartbeat_timeout=args.heartbeat_timeout, max_restarts=args.max_restarts,
                   netns_prefix=args.netns_prefix, subnet=args.subnet)
 
 

@@ -13,6 +13,7 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -69,6 +70,138 @@ def test_a_killed_rank_is_named_with_its_last_lines(tmp_path):
     report = done.stderr.split("the last lines of rank 1:")[1]
     assert "[rank 1] process 1: losing it at step 5 (die)" in report
     assert seconds < 30, seconds
+
+
+# A script as JAX's own multi-process examples write it: no cgx_jax, jax.distributed.initialize()
+# with no arguments, a JAX setting from the environment set before jax is imported.
+PLAIN_SCRIPT = """
+import os, sys
+assert "jax" not in sys.modules, "jax was imported before the script"
+os.environ["JAX_ENABLE_X64"] = "1"
+import jax, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+jax.distributed.initialize()
+assert jax.config.jax_enable_x64
+mesh = jax.make_mesh((jax.device_count(),), ("p",))
+x = jax.make_array_from_process_local_data(
+    NamedSharding(mesh, P("p")), np.full(jax.local_device_count(), jax.process_index() + 1.0))
+total = jax.jit(lambda x: x.sum(), out_shardings=NamedSharding(mesh, P()))(x)
+print(f"process {jax.process_index()} of {jax.process_count()}, {jax.device_count()} devices: "
+      f"total {float(total):g} {total.dtype} user-site={os.environ.get('USER_SITE_RAN')}")
+"""
+
+
+def test_an_unmodified_jax_distributed_script_runs_under_the_launcher(tmp_path):
+    """JAX reads the process count and id only from a cluster it detects: the launcher's
+    launch_site/sitecustomize.py adds its processes, ahead of a SLURM allocation the launch
+    runs in, without importing jax early, and still runs a sitecustomize it shadows."""
+    (tmp_path / "plain.py").write_text(PLAIN_SCRIPT)
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(
+        "import os\nos.environ['USER_SITE_RAN'] = 'yes'\n")
+    env = dict(os.environ, PYTHONPATH=str(tmp_path / "site"), SLURM_JOB_ID="7",
+               SLURM_NTASKS="5", SLURM_PROCID="4", SLURM_LOCALID="0", SLURM_NODELIST="node1",
+               SLURM_STEP_NODELIST="node1")
+    env.pop("XLA_FLAGS", None)
+    command = [sys.executable, "-m", "cgx_jax.launch", "-n", "3", "--devices-per-process", "2",
+               "--timeout", "90", "--", sys.executable, str(tmp_path / "plain.py")]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for rank in range(3):
+        assert (f"[rank {rank}] process {rank} of 3, 6 devices: total 12 float64 "
+                f"user-site=yes") in done.stdout, done.stdout
+
+
+def test_a_failure_shared_by_ranks_is_reported_once(tmp_path):
+    """Every rank fails at once; ranks 0 and 1 with the same traceback, rank 2 with another.
+    The report shows the first failed rank's lines once for every rank that ended the same
+    way, then the last line of each other ending."""
+    script = tmp_path / "fail.py"
+    script.write_text(
+        "import os, pathlib, sys, time\n"
+        "rank, here = os.environ['CGX_JAX_PROCESS_ID'], pathlib.Path(sys.argv[1])\n"
+        "(here / f'ready{rank}').touch()\n"
+        "while len(list(here.glob('ready*'))) < 3: time.sleep(0.01)\n"
+        "if rank == '2':\n"
+        "    raise KeyError('rank 2 differs')\n"
+        "raise ValueError('coordinator_address should be defined.')\n")
+    command = [sys.executable, "-m", "cgx_jax.launch", "-n", "3", "--timeout", "60", "--",
+               sys.executable, str(script), str(tmp_path)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=90)
+    assert done.returncode == 1, done.stderr[-3000:]
+    report = done.stderr.split("failed with exit code 1; stopping")[1]
+    assert report.count("ValueError: coordinator_address should be defined.") == 1, report
+    assert report.count("KeyError: 'rank 2 differs'") == 1, report
+    if "the last lines of ranks 0-1:" in report:  # rank 0 or 1 was seen failing first
+        assert "[ranks 0-1] ValueError: coordinator_address should be defined." in report
+        assert "rank 2 ended differently: KeyError: 'rank 2 differs'" in report, report
+    else:
+        assert "[rank 2] KeyError: 'rank 2 differs'" in report, report
+        assert ("ranks 0-1 ended differently: ValueError: coordinator_address should be "
+                "defined.") in report, report
+
+
+def _launch_bash(script, *options, timeout=60):
+    command = [sys.executable, "-m", "cgx_jax.launch", "-n", "2", "--grace", "1", *options,
+               "--", "bash", "-c", script]
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+
+
+def test_max_restarts_starts_every_rank_again_with_its_restart_count():
+    """Rank 1 fails in the first two attempts: both ranks are started three times, each
+    attempt told its number, on a fresh coordinator port; the third attempt succeeds."""
+    done = _launch_bash(
+        'echo "rank $CGX_JAX_PROCESS_ID restart $CGX_JAX_RESTART_COUNT at '
+        '$JAX_COORDINATOR_ADDRESS"; if [ "$CGX_JAX_PROCESS_ID" = 1 ] && '
+        '[ "$CGX_JAX_RESTART_COUNT" -lt 2 ]; then exit 3; fi; sleep 0.3', "--max-restarts", "3")
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = re.findall(r"\[rank (\d)\] rank \1 restart (\d) at 127\.0\.0\.1:(\d+)", done.stdout)
+    assert sorted((r, a) for r, a, _ in seen) == [(r, a) for r in "01" for a in "012"], seen
+    ports = {a: {p for _, b, p in seen if b == a} for a in "012"}
+    assert all(len(p) == 1 for p in ports.values()) and len(set.union(*ports.values())) == 3
+    assert "restarting all 2 processes (restart 1 of 3)" in done.stderr
+    assert "restarting all 2 processes (restart 2 of 3)" in done.stderr
+    assert "restart 3 of 3" not in done.stderr
+
+
+def test_restarts_that_run_out_end_with_the_last_failure():
+    done = _launch_bash('echo "restart $CGX_JAX_RESTART_COUNT"; '
+                        '[ "$CGX_JAX_PROCESS_ID" = 1 ] && exit 3; sleep 5', "--max-restarts", "1")
+    assert done.returncode == 3, done.stderr[-3000:]
+    assert done.stdout.count("[rank 1] restart 0") == done.stdout.count("[rank 1] restart 1") == 1
+    assert "restart 2" not in done.stdout
+    assert done.stderr.count("rank 1 failed with exit code 3") == 2
+    assert "no restarts left (--max-restarts 1)" in done.stderr
+
+
+def test_a_timeout_is_not_restarted():
+    done = _launch_bash('echo "restart $CGX_JAX_RESTART_COUNT"; sleep 30', "--max-restarts", "2",
+                        "--timeout", "1")
+    assert done.returncode == 124, done.stderr[-3000:]
+    assert "restart 1" not in done.stdout and "restarting" not in done.stderr
+
+
+@pytest.mark.parametrize("lines, lost", [
+    (["E coordination_service.cc:1763] ... UNAVAILABLE: The following tasks are unhealthy "
+      "(stopped sending heartbeats):", "1, 3", "The tasks have crashed."], {1, 3}),  # jax 0.10
+    (["E coordination_service.cc:1763] ... UNAVAILABLE: The following tasks are unhealthy "
+      "(stopped sending heartbeats):", "/job:jax_worker/replica:0/task:2",
+      "/job:jax_worker/replica:0/task:3", "The tasks have crashed."], {2, 3}),  # jax 0.9
+    (["[Gloo] Rank 0 is connected to 1 peer ranks", "1", "/job:jax_worker/replica:0/task:1"],
+     set()),
+])
+def test_the_ranks_the_coordination_service_lost_are_read_from_its_message(lines, lost):
+    seen, sink = set(), io.StringIO()
+    pipe = io.BytesIO("".join(f"{line}\n" for line in lines).encode())
+    launch._Forwarder(pipe, sink, "[rank 0] ", threading.Lock(), [], seen).run()
+    assert seen == lost
+    assert sink.getvalue().splitlines() == [f"[rank 0] {line}" for line in lines]
+
+
+@pytest.mark.parametrize("ranks, text", [([3], "rank 3"), ([0, 1, 2, 3], "ranks 0-3"),
+                                         ([0, 1, 2, 5], "ranks 0-2, 5"), ([0, 2], "ranks 0, 2")])
+def test_ranks_are_named_in_runs(ranks, text):
+    assert launch._ranks(ranks) == text
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl is Linux's")

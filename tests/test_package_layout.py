@@ -97,7 +97,9 @@ def test_no_module_imports_private_names_of_another(name):
 
 def test_jax_internals_are_confined_to_jax_compat():
     users = sorted(str(p.relative_to(ROOT)) for p in MODULES.values() if "jax._src" in p.read_text())
-    assert users == ["cgx_jax/collectives/jax_compat.py"]
+    # The launcher's start-up hook names JAX's cluster module too: it runs before the script
+    # and may import neither cgx_jax nor jax (cgx_jax/launch_site/sitecustomize.py).
+    assert users == ["cgx_jax/collectives/jax_compat.py", "cgx_jax/launch_site/sitecustomize.py"]
 
 
 def test_design_references_point_inside_the_repository():

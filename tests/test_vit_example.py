@@ -1,12 +1,18 @@
 """Smoke test of examples/vit/train.py: a tiny ViT for a few steps, baseline and 4-bit CGX, on
-the 8 simulated CPU devices that conftest.py sets up; and the CIFAR-10 reader on fake batches."""
+the 8 simulated CPU devices that conftest.py sets up; the CIFAR-10 reader on fake batches; and
+a run across two processes that a killed rank interrupts, restarted by the launcher and
+resumed from its checkpoints bit for bit."""
 
 import importlib.util
 import json
 import math
 import os
 import pickle
+import re
+import signal
+import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -82,3 +88,90 @@ def test_adaptive_mode_refits_the_policy_once(monkeypatch):
     assert len(calls) == 1 and run["adapted_at_step"] == 2
     assert max(b for b in run["layer_bits"].values() if b < 32) == 8
     assert all(math.isfinite(x) for x in run["loss_history"])
+
+
+# ---------------------------------------------------------------------------
+# Checkpoints and restarts across processes (python -m cgx_jax.launch --max-restarts)
+# ---------------------------------------------------------------------------
+
+TRAIN = os.path.join(EXAMPLE_DIR, "train.py")
+RESTART_STEPS, CHECKPOINT_EVERY = 200, 20
+
+
+def _launch_training(checkpoints, max_restarts=0):
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)  # the launcher sets each process's device count
+    command = [sys.executable, "-m", "cgx_jax.launch", "-n", "2", "--devices-per-process", "2",
+               "--timeout", "300", "--max-restarts", str(max_restarts), "--",
+               sys.executable, TRAIN, "--tiny", "--steps", str(RESTART_STEPS), "--mode", "cgx",
+               "--error-feedback", "--quiet", "--checkpoint-every", str(CHECKPOINT_EVERY),
+               "--checkpoint-dir", str(checkpoints)]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env)
+
+
+def _rank_pid(marker: str, rank: int) -> int | None:
+    """The pid of the launched process of ``rank`` in its first attempt whose command line
+    holds ``marker`` (this test's checkpoint folder: other tests may launch meanwhile)."""
+    for name in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                if marker.encode() not in f.read():
+                    continue
+            with open(f"/proc/{name}/environ", "rb") as f:
+                env = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
+        except (OSError, ValueError):
+            continue
+        if (env.get(b"CGX_JAX_PROCESS_ID") == str(rank).encode()
+                and env.get(b"CGX_JAX_RESTART_COUNT") == b"0"):
+            return int(name)
+    return None
+
+
+def _final_checkpoint(checkpoints):
+    folder = checkpoints / f"step_{RESTART_STEPS:08d}"
+    files = {}
+    for process in (0, 1):
+        with np.load(folder / f"process{process}.npz") as saved:
+            files[process] = {key: saved[key] for key in saved.files}
+    return files
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_killed_rank_restarts_and_resumes_bit_for_bit(tmp_path):
+    """Two processes of two devices train with 4-bit error feedback, checkpointing every 10
+    steps. Rank 1 is killed (SIGKILL) once the first checkpoint exists; under --max-restarts
+    1 both ranks start again, resume from the newest checkpoint, and the final parameters,
+    optimizer state (every device's residual, the noise key) and loss history are bitwise
+    those of the same run left alone."""
+    whole = _launch_training(tmp_path / "whole")
+    out, err = whole.communicate(timeout=300)
+    assert whole.returncode == 0, err[-3000:]
+
+    interrupted = tmp_path / "interrupted"
+    launched = _launch_training(interrupted, max_restarts=1)
+    try:
+        deadline = time.monotonic() + 240
+        while not (interrupted / f"step_{CHECKPOINT_EVERY:08d}").exists():
+            assert launched.poll() is None and time.monotonic() < deadline
+            time.sleep(0.01)
+        pid = _rank_pid(str(interrupted), 1)
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        out, err = launched.communicate(timeout=300)
+    finally:
+        launched.kill()
+    assert launched.returncode == 0, err[-3000:]
+    assert "rank 1 failed with signal SIGKILL" in err, err[-3000:]
+    assert "restarting all 2 processes (restart 1 of 1)" in err
+    resumed = {int(s) for s in re.findall(r"resumed from the checkpoint of step (\d+)", out)}
+    assert len(resumed) == 1 and min(resumed) < RESTART_STEPS, out[-3000:]
+    assert out.count("(restart 1)") == 2  # both ranks resumed
+
+    expected, got = _final_checkpoint(tmp_path / "whole"), _final_checkpoint(interrupted)
+    for process in (0, 1):
+        assert set(got[process]) == set(expected[process])
+        assert any(key.startswith("leaf") for key in got[process])
+        for key, value in expected[process].items():
+            assert value.dtype == got[process][key].dtype, key
+            assert value.tobytes() == got[process][key].tobytes(), (process, key)

@@ -11,6 +11,12 @@ all-reduced per step.
     python examples/vit/train.py --seeds 0 1 2 --json metrics.json --plot curves.png
     python examples/vit/train.py --dataset cifar10 --data-dir ~/data/cifar-10-batches-py
 
+Across processes, with checkpoints every 50 steps and up to 3 restarts after a crash (each
+restart resumes from the newest checkpoint, bit for bit the run it continues):
+
+    python -m cgx_jax.launch -n 2 --devices-per-process 4 --max-restarts 3 -- \\
+        python examples/vit/train.py --mode cgx --checkpoint-dir /tmp/vit-ckpt
+
 On CPU the program waits for each step's loss before dispatching the next (many collective
 programs in flight can abort the process on small machines: see the README's CPU notes).
 """
@@ -25,6 +31,7 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
                                + " --xla_force_host_platform_device_count=8").strip()
 
 import argparse  # noqa: E402
+import itertools  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -36,8 +43,10 @@ from flax import nnx  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import cgx_jax as cgx  # noqa: E402
+from cgx_jax.launch import ENV_PROCESS_ID, initialize, restart_count  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import checkpoint  # noqa: E402
 import data as datasets  # noqa: E402
 from model import ViT  # noqa: E402
 
@@ -83,6 +92,13 @@ def parse_args(argv=None):
     p.add_argument("--budget-bits", type=float, default=4.0, help="adaptive: mean bits budget")
     p.add_argument("--adapt-after", type=int, default=None,
                    help="adaptive: warmup steps before fitting the policy (default: one epoch)")
+    p.add_argument("--error-feedback", action="store_true",
+                   help="cgx: error feedback (a residual per device, in the optimizer state)")
+    # Checkpoints.
+    p.add_argument("--checkpoint-dir", default=None,
+                   help="save checkpoints here and resume from the newest one found (one "
+                        "run: one --mode, baseline or cgx, and one seed)")
+    p.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints")
     # Output.
     p.add_argument("--tiny", action="store_true",
                    help="smoke-test size: depth 1, width 32, 2 heads, 4 steps, batch 64")
@@ -96,6 +112,13 @@ def parse_args(argv=None):
         args.steps = args.steps or 4
     modes = MODES if "all" in args.mode else tuple(m for m in MODES if m in args.mode)
     args.modes = modes
+    if args.checkpoint_dir and (len(modes) != 1 or modes[0] == "adaptive"
+                                or len(args.seeds) != 1):
+        raise SystemExit(f"--checkpoint-dir resumes one run: give one --mode (baseline or "
+                         f"cgx) and one seed, not --mode {' '.join(args.mode)} --seeds "
+                         f"{' '.join(map(str, args.seeds))}")
+    if args.checkpoint_every < 1:
+        raise SystemExit(f"--checkpoint-every must be at least 1, got {args.checkpoint_every}")
     return args
 
 
@@ -151,10 +174,11 @@ def loss_fn(graphdef, params, x, y, num_classes, smoothing):
     return optax.softmax_cross_entropy(logits, labels).mean()
 
 
-def make_train_step(graphdef, tx, mesh, num_classes, smoothing):
-    """One jitted data-parallel step: params and optimizer state replicated, the global batch
-    split over ``AXIS``; each device's gradient is local and ``tx`` (its first link) all-reduces
-    it, so every replica applies the same update."""
+def make_train_step(graphdef, tx, mesh, num_classes, smoothing, state_specs):
+    """One jitted data-parallel step: params replicated, the optimizer state laid out by
+    ``state_specs`` (replicated but for an error-feedback residual, one row per device), the
+    global batch split over ``AXIS``; each device's gradient is local and ``tx`` (its first
+    link) all-reduces it, so every replica applies the same update."""
 
     def step(params, opt_state, x, y):
         # Local loss and gradients: jax.grad of the replicated params would reduce them
@@ -166,9 +190,16 @@ def make_train_step(graphdef, tx, mesh, num_classes, smoothing):
 
     # The all-reduced gradients are typed invariant (replicated), so shard_map's default
     # check_vma=True accepts replicated params and optimizer state as outputs.
-    return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P(), P(AXIS), P(AXIS)),
-                                 out_specs=(P(), P(), P())),
+    return jax.jit(jax.shard_map(step, mesh=mesh,
+                                 in_specs=(P(), state_specs, P(AXIS), P(AXIS)),
+                                 out_specs=(P(), state_specs, P())),
                    donate_argnums=(0, 1))
+
+
+def global_batch(x, sharding):
+    """``x`` (the same host array in every process) as a global array split by ``sharding``:
+    each process places only the rows of its own devices."""
+    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 
 
 def make_eval(graphdef, num_classes):
@@ -227,24 +258,38 @@ def train_run(mode, seed, args, ds, mesh, show_progress):
 
     def build(policy):
         allreduce = (exact_pmean() if policy is None
-                     else cgx.compressed_allreduce(AXIS, policy=policy, seed=seed))
+                     else cgx.compressed_allreduce(AXIS, policy=policy, seed=seed,
+                                                   error_feedback=args.error_feedback))
         tx = make_optimizer(allreduce, args, total)
-        return tx, make_train_step(graphdef, tx, mesh, ds.num_classes, args.label_smoothing)
+        specs = cgx.state_specs(tx.init(params), AXIS)
+        return tx, make_train_step(graphdef, tx, mesh, ds.num_classes, args.label_smoothing,
+                                   specs)
 
     tx, train_step = build(policy)
-    replicated = NamedSharding(mesh, P())
-    params, opt_state = jax.device_put((params, tx.init(params)), replicated)
+    params = jax.device_put(params, NamedSharding(mesh, P()))
+    opt_state = cgx.shard_state(tx.init(params), mesh, AXIS)
     batch_sharding = NamedSharding(mesh, P(AXIS))
     evaluate = make_eval(graphdef, ds.num_classes)
     adapt_at = (args.adapt_after if args.adapt_after is not None
                 else min(steps_per_epoch, total // 2)) if mode == "adaptive" else None
 
     losses, evals, step_times, compile_steps = [], [], [], {0}
-    bar = progress_bar(total, f"{mode} seed {seed}", show_progress)
-    step, epoch = 0, 0
+    step = 0
     aug_rng = np.random.default_rng([seed, 1])  # same augmentation in every mode
+    saved = checkpoint.newest(args.checkpoint_dir)
+    if saved is not None:
+        (params, opt_state), host = checkpoint.restore(args.checkpoint_dir, saved,
+                                                       (params, opt_state))
+        step, losses, evals = saved, host["losses"], host["evals"]
+        aug_rng.bit_generator.state = host["data_rng"]
+        print(f"resumed from the checkpoint of step {step} in {args.checkpoint_dir} "
+              f"(restart {restart_count()})", flush=True)
+    epoch, done_in_epoch = divmod(step, steps_per_epoch)
+    bar = progress_bar(total, f"{mode} seed {seed}", show_progress)
+    bar.update(step)
     while step < total:
-        for idx in datasets.epoch_batches(len(ds.x_train), args.batch_size, seed, epoch):
+        batches = datasets.epoch_batches(len(ds.x_train), args.batch_size, seed, epoch)
+        for idx in itertools.islice(batches, done_in_epoch, None):
             if step == adapt_at:  # adaptive: fit per-layer bits once, rebuild the step
                 grads = host_gradients(graphdef, params, ds.x_train[idx], ds.y_train[idx], args,
                                        ds.num_classes)
@@ -252,7 +297,7 @@ def train_run(mode, seed, args, ds, mesh, show_progress):
                 tx, train_step = build(policy)  # same state structure: opt_state carries over
                 compile_steps.add(step)
             x = datasets.random_shift(ds.x_train[idx], aug_rng, args.shift)
-            x, y = jax.device_put((x, ds.y_train[idx]), batch_sharding)
+            x, y = (global_batch(a, batch_sharding) for a in (x, ds.y_train[idx]))
             start = time.perf_counter()
             params, opt_state, loss = train_step(params, opt_state, x, y)
             loss = float(loss)  # wait for every step: bounds the collectives in flight
@@ -267,11 +312,17 @@ def train_run(mode, seed, args, ds, mesh, show_progress):
                                 img_s=f"{args.batch_size / np.mean(recent):.0f}")
             if step == total:
                 break
-        epoch += 1
+            if args.checkpoint_dir and step % args.checkpoint_every == 0:
+                checkpoint.save(args.checkpoint_dir, step, (params, opt_state), {
+                    "losses": losses, "evals": evals, "data_rng": aug_rng.bit_generator.state})
+        epoch, done_in_epoch = epoch + 1, 0
         if step % steps_per_epoch == 0 or step == total:
             acc, test_loss = evaluate(params, ds.x_test, ds.y_test)
             evals.append({"step": step, "test_accuracy": acc, "test_loss": test_loss})
     bar.close()
+    if args.checkpoint_dir and step != saved:  # the final state, with the final evaluation
+        checkpoint.save(args.checkpoint_dir, step, (params, opt_state), {
+            "losses": losses, "evals": evals, "data_rng": aug_rng.bit_generator.state})
     if mode == "adaptive" and args.verbose:
         print(f"adaptive policy (fitted at step {adapt_at}):")
         print(cgx.summary(policy, jax.device_get(params)))
@@ -407,6 +458,8 @@ def plot(runs, path):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if ENV_PROCESS_ID in os.environ:
+        initialize()  # under python -m cgx_jax.launch: one run across the processes
     modes = list(args.modes)
     ds = datasets.load(args.dataset, args.data_dir)
     devices = jax.devices()
