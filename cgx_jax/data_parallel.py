@@ -22,6 +22,7 @@ as ``jax.value_and_grad``'s would, so ``optimizer.update`` and Optax apply uncha
 from __future__ import annotations
 
 import sys
+import warnings
 from typing import Any, Callable
 
 import jax
@@ -33,6 +34,7 @@ from jax.sharding import AxisType, Mesh, PartitionSpec as P
 from cgx_jax.api import reduce_tree, warn_nothing_compressed
 from cgx_jax.collectives.jax_compat import reshard
 from cgx_jax.policy import LayerPolicy
+from cgx_jax.trees import combine, is_array, is_differentiable, partition
 from cgx_jax.vma import local_value_and_grad
 
 
@@ -60,6 +62,10 @@ def _param_specs(grads, param_specs):
     is_state = lambda node: "flax" in sys.modules and isinstance(
         node, sys.modules["flax"].nnx.State)
     return jax.tree.map(annotated, grads, is_leaf=is_state)
+
+
+def _axis_type(mesh, name):
+    return mesh.axis_types[mesh.axis_names.index(name)]
 
 
 def _axis_names(spec) -> list:
@@ -98,9 +104,13 @@ def value_and_grad(fun: Callable, *, mesh: Mesh, axis_name: str, argnums=0,
       policy: the per-leaf codecs (default ``LayerPolicy()``); seed, algorithm, backend: as
         for ``compressed_allreduce``.
       param_specs: the parameters' ``PartitionSpec``s over the other mesh axes (a tree
-        prefix of the gradients); default: an NNX state's sharding annotations
-        (``nnx.with_partitioning``, ``sharding=``), else replicated. A gradient is compressed
-        per shard, so each device encodes only what it holds.
+        prefix of the gradients); default: an NNX module's sharding annotations
+        (``nnx.with_partitioning``, ``sharding=``), else what JAX tells of each array (its
+        type over explicit mesh axes; a placed array's sharding when called outside
+        ``jit``). Over automatic axes inside ``jit`` that cannot be known at trace time: the
+        gradients are then laid out replicated over those axes, with a warning that says
+        how to pass ``param_specs`` (``P()`` says they are replicated). A gradient is
+        compressed per shard, so each device encodes only what it holds.
 
       error_feedback: add what each participant's compression lost to its next gradient
         (EF-SGD): ``grad_fn(*args, step=step, residual=residual)`` then returns
@@ -113,9 +123,15 @@ def value_and_grad(fun: Callable, *, mesh: Mesh, axis_name: str, argnums=0,
     the noise would repeat every call. Only a policy that rounds nothing stochastically runs
     without it.
 
+    Leaves that are not arrays (an Equinox module's activation functions, a dataclass's ints)
+    are passed to ``fun`` as they are; in ``argnums``, only floating arrays are
+    differentiated, and the gradients hold ``None`` for the other leaves, as
+    ``equinox.filter_value_and_grad`` gives.
+
     Returns ``(value, grads)`` (``((value, aux), grads)`` with ``has_aux``): the loss averaged
     over participants (aux leaves too, which must be floating arrays), and the averaged
-    gradients, replicated over ``axis_name`` and sharded like the parameters. An NNX
+    gradients, of the arguments' types and structure, replicated over ``axis_name`` and
+    sharded like the parameters. An NNX
     module's other state is updated as ``cgx.local_value_and_grad`` says (RNG counts
     advanced, each participant its own dropout masks, BatchNorm statistics averaged).
 
@@ -155,17 +171,29 @@ def value_and_grad(fun: Callable, *, mesh: Mesh, axis_name: str, argnums=0,
                 f"fun(model, x, y), not through a closure; a closed-over batch would be "
                 f"computed whole by every participant")
         key = _step_key(step, seed)
-        # NNX modules travel as (graph, state) and are rebuilt inside the shard_map.
-        graphs = {}
+        # NNX modules travel as (graph, state) and are rebuilt inside the shard_map; of
+        # other arguments only the arrays travel (floating ones, of parameters), the rest
+        # is closed over.
+        graphs, static = {}, {}
         flat_args = list(args)
-        for i in positions:
-            if _is_nnx_module(args[i]):
+        for i, arg in enumerate(args):
+            if i in positions and _is_nnx_module(arg):
                 from flax import nnx
-                graphs[i], flat_args[i] = nnx.split(args[i])
+                graphs[i], flat_args[i] = nnx.split(arg)
+            else:
+                keep = is_differentiable if i in positions else is_array
+                flat_args[i], static[i] = partition(arg, keep)
+
+        def array_fun(*array_args):
+            return fun(*(combine(a, static[i]) if i in static else a
+                         for i, a in enumerate(array_args)))
+
         # param_specs describes the gradients as returned: one tree, or one per argnum.
         specs = (param_specs,) if isinstance(argnums, int) and param_specs is not None \
             else param_specs
-        value, grads, states = _local_gradients(fun, mesh, axis_name, positions, graphs,
+        if specs is None and not graphs:
+            specs = _specs_jax_knows(tuple(flat_args[i] for i in positions), mesh, axis_name)
+        value, grads, states = _local_gradients(array_fun, mesh, axis_name, positions, graphs,
                                                 has_aux, flat_args, specs)
         for i, state in states.items():  # state a step changed (RNG counts, statistics)
             from flax import nnx
@@ -184,6 +212,38 @@ def value_and_grad(fun: Callable, *, mesh: Mesh, axis_name: str, argnums=0,
 
     grad_fn.policy = policy  # for cgx.summary(grad_fn, params)
     return grad_fn
+
+
+def _specs_jax_knows(params, mesh, axis_name):
+    """The ``PartitionSpec`` of every parameter array as JAX tells it at trace time: a placed
+    array's sharding (outside ``jit``), else its type (which names explicit axes only).
+    Where the mesh has automatic axes besides ``axis_name`` and a traced parameter's layout
+    over them cannot be known, warns and takes it as replicated."""
+    auto = [a for a in mesh.axis_names if a != axis_name and mesh.shape[a] > 1
+            and _axis_type(mesh, a) == AxisType.Auto]
+    unknown = []
+
+    def spec_of(path, x):
+        if not isinstance(x, jax.core.Tracer) and isinstance(
+                getattr(x, "sharding", None), jax.sharding.NamedSharding):
+            return x.sharding.spec
+        if auto:  # named as the user's tree names it (one argnum: without its position)
+            unknown.append(jax.tree_util.keystr(path[1:] if len(params) == 1 else path))
+        return jax.typeof(x).sharding.spec
+
+    specs = jax.tree_util.tree_map_with_path(spec_of, params)
+    if unknown:
+        warnings.warn(
+            f"cgx.value_and_grad cannot see how parameters {unknown[:3]}"
+            f"{' ...' if len(unknown) > 3 else ''} are sharded over the automatic mesh axes "
+            f"{tuple(auto)} (inside jax.jit an array's layout over automatic axes is decided "
+            f"after tracing), so their gradients are laid out replicated over them: each "
+            f"device then encodes the whole gradient, and one sharded over "
+            f"{auto[0]!r} is gathered first. Pass param_specs=jax.tree.map(lambda a: "
+            f"a.sharding.spec, params), built outside jit from the placed parameters, or "
+            f"param_specs=P() if they are replicated; explicit mesh axes need neither.",
+            stacklevel=4)
+    return specs
 
 
 def _step_key(step, seed: int):
@@ -231,7 +291,7 @@ def _local_gradients(fun, mesh, axis_name, positions, graphs, has_aux, flat_args
         return out, stacked, states
 
     out_specs = (P(), P(axis_name), P())
-    if mesh._name_to_type[axis_name] == AxisType.Explicit:  # shard_map wants them split
+    if _axis_type(mesh, axis_name) == AxisType.Explicit:  # shard_map wants them split
         flat_args = [arg if i in positions else jax.tree.map(
             lambda x: _split_rows(x, mesh, axis_name), arg) for i, arg in enumerate(flat_args)]
     return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
@@ -243,7 +303,7 @@ def _lay_out(g, spec, mesh):
     explicit ones (where JAX refuses constraints)."""
     if spec == P():
         return g
-    if any(mesh._name_to_type[n] == AxisType.Explicit for n in _axis_names(spec)):
+    if any(_axis_type(mesh, n) == AxisType.Explicit for n in _axis_names(spec)):
         return reshard(g, spec)
     return lax.with_sharding_constraint(g, spec)
 
@@ -383,6 +443,7 @@ def init_residual(params, *, mesh: Mesh, axis_name: str, param_specs=None):
     if _is_nnx_module(params):
         from flax import nnx
         params = nnx.state(params, nnx.Param)
+    params = partition(params, is_differentiable)[0]  # no residual for a function or an int
     rows = mesh.shape[axis_name]
     specs = _leaf_specs(params, param_specs, axis_name)
     treedef = jax.tree_util.tree_structure(params)

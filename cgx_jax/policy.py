@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from cgx_jax.codec import Codec, wire_bytes
+from cgx_jax.trees import is_array, partition
 
 # Layers below 16K values (64 KiB in f32) cost latency, not bandwidth: compressing them saves
 # little and spends their precision. CGX leaves such layers, biases and norms exact too.
@@ -197,6 +198,7 @@ def summary(policy, tree) -> str:
         total                                         34304     263168    7.7x     3.8x
     """
     policy = policy_of(policy)
+    tree = partition(tree, is_array)[0]  # a model's functions and ints are not sent
     flat = jax.tree_util.tree_flatten_with_path(tree)[0]
     codecs = policy.resolve_leaves(tree)
     rows, wire_total, f32_total = [], 0, 0

@@ -285,6 +285,11 @@ def train_run(mode, seed, args, ds, mesh, show_progress):
         print(f"resumed from the checkpoint of step {step} in {args.checkpoint_dir} "
               f"(restart {restart_count()})", flush=True)
     epoch, done_in_epoch = divmod(step, steps_per_epoch)
+
+    def save_checkpoint():  # the state after `step` steps, and where the data stands
+        checkpoint.save(args.checkpoint_dir, step, (params, opt_state), {
+            "losses": losses, "evals": evals, "data_rng": aug_rng.bit_generator.state})
+
     bar = progress_bar(total, f"{mode} seed {seed}", show_progress)
     bar.update(step)
     while step < total:
@@ -313,16 +318,14 @@ def train_run(mode, seed, args, ds, mesh, show_progress):
             if step == total:
                 break
             if args.checkpoint_dir and step % args.checkpoint_every == 0:
-                checkpoint.save(args.checkpoint_dir, step, (params, opt_state), {
-                    "losses": losses, "evals": evals, "data_rng": aug_rng.bit_generator.state})
+                save_checkpoint()
         epoch, done_in_epoch = epoch + 1, 0
         if step % steps_per_epoch == 0 or step == total:
             acc, test_loss = evaluate(params, ds.x_test, ds.y_test)
             evals.append({"step": step, "test_accuracy": acc, "test_loss": test_loss})
     bar.close()
     if args.checkpoint_dir and step != saved:  # the final state, with the final evaluation
-        checkpoint.save(args.checkpoint_dir, step, (params, opt_state), {
-            "losses": losses, "evals": evals, "data_rng": aug_rng.bit_generator.state})
+        save_checkpoint()
     if mode == "adaptive" and args.verbose:
         print(f"adaptive policy (fitted at step {adapt_at}):")
         print(cgx.summary(policy, jax.device_get(params)))
