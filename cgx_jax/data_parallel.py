@@ -21,7 +21,6 @@ as ``jax.value_and_grad``'s would, so ``optimizer.update`` and Optax apply uncha
 
 from __future__ import annotations
 
-import sys
 import warnings
 from typing import Any, Callable
 
@@ -31,18 +30,12 @@ import numpy as np
 from jax import lax
 from jax.sharding import AxisType, Mesh, PartitionSpec as P
 
+from cgx_jax import flax_compat
 from cgx_jax.api import reduce_tree, warn_nothing_compressed
 from cgx_jax.collectives.jax_compat import reshard
 from cgx_jax.policy import LayerPolicy
 from cgx_jax.trees import combine, is_array, is_differentiable, partition
 from cgx_jax.vma import local_value_and_grad
-
-
-def _is_nnx_module(value) -> bool:
-    if "flax" not in sys.modules:
-        return False
-    from flax import nnx
-    return isinstance(value, nnx.Module)
 
 
 def _param_specs(grads, param_specs):
@@ -53,15 +46,11 @@ def _param_specs(grads, param_specs):
         return _broadcast_prefix(param_specs, grads)
 
     def annotated(node):
-        if "flax" in sys.modules:
-            from flax import nnx
-            if isinstance(node, nnx.State):
-                return nnx.get_partition_spec(node)
+        if flax_compat.is_state(node):
+            return flax_compat.nnx().get_partition_spec(node)
         return jax.tree.map(lambda _: P(), node)
 
-    is_state = lambda node: "flax" in sys.modules and isinstance(
-        node, sys.modules["flax"].nnx.State)
-    return jax.tree.map(annotated, grads, is_leaf=is_state)
+    return jax.tree.map(annotated, grads, is_leaf=flax_compat.is_state)
 
 
 def _axis_type(mesh, name):
@@ -177,9 +166,8 @@ def value_and_grad(fun: Callable, *, mesh: Mesh, axis_name: str, argnums=0,
         graphs, static = {}, {}
         flat_args = list(args)
         for i, arg in enumerate(args):
-            if i in positions and _is_nnx_module(arg):
-                from flax import nnx
-                graphs[i], flat_args[i] = nnx.split(arg)
+            if i in positions and flax_compat.is_module(arg):
+                graphs[i], flat_args[i] = flax_compat.nnx().split(arg)
             else:
                 keep = is_differentiable if i in positions else is_array
                 flat_args[i], static[i] = partition(arg, keep)
@@ -196,8 +184,7 @@ def value_and_grad(fun: Callable, *, mesh: Mesh, axis_name: str, argnums=0,
         value, grads, states = _local_gradients(array_fun, mesh, axis_name, positions, graphs,
                                                 has_aux, flat_args, specs)
         for i, state in states.items():  # state a step changed (RNG counts, statistics)
-            from flax import nnx
-            nnx.update(args[i], state)
+            flax_compat.nnx().update(args[i], state)
         single = len(positions) == 1 and isinstance(argnums, int)
         if residual is not None:
             residual = (residual,) if single else tuple(residual)
@@ -271,8 +258,7 @@ def _local_gradients(fun, mesh, axis_name, positions, graphs, has_aux, flat_args
         local_args = list(local_args)
         modules = {}
         for i, graph in graphs.items():
-            from flax import nnx
-            local_args[i] = modules[i] = nnx.merge(graph, local_args[i])
+            local_args[i] = modules[i] = flax_compat.nnx().merge(graph, local_args[i])
         out, grads = _with_clear_constraint_errors(
             lambda: local_value_and_grad(fun, axis_name, argnums=positions,
                                          has_aux=has_aux)(*local_args), axis_name)
@@ -286,7 +272,7 @@ def _local_gradients(fun, mesh, axis_name, positions, graphs, has_aux, flat_args
         # The modules' other state, agreed over the data axis by local_value_and_grad.
         states = {}
         for i, module in modules.items():
-            from flax import nnx
+            nnx = flax_compat.nnx()
             states[i] = nnx.state(module, nnx.Not(nnx.Param))
         return out, stacked, states
 
@@ -440,8 +426,8 @@ def init_residual(params, *, mesh: Mesh, axis_name: str, param_specs=None):
         >>> r["w"].shape == (len(jax.devices()), 4, 4), r["w"].sharding.spec == P("data")
         (True, True)
     """
-    if _is_nnx_module(params):
-        from flax import nnx
+    if flax_compat.is_module(params):
+        nnx = flax_compat.nnx()
         params = nnx.state(params, nnx.Param)
     params = partition(params, is_differentiable)[0]  # no residual for a function or an int
     rows = mesh.shape[axis_name]

@@ -13,13 +13,13 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import math
-import sys
 
 import jax
 import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from cgx_jax import flax_compat
 from cgx_jax.adaptive import schedule
 from cgx_jax.api import reduce_tree
 from cgx_jax.collectives import axis_tuple
@@ -152,17 +152,15 @@ def state_specs(state, axis_name):
         (True, True)
     """
     _refuse_nnx_optimizer(state, "state_specs")
-    return _specs(state, axis_name, _is_nnx_variable)
+    # nnx.shard_map takes one spec per Variable, not one for the array inside it.
+    return _specs(state, axis_name, flax_compat.is_variable)
 
 
 def _refuse_nnx_optimizer(state, what: str) -> None:
     """An ``nnx.Optimizer`` (or its ``nnx.State``) wraps every optimizer leaf in a Variable,
     so the per-participant residual cannot be told apart from replicated leaves: placing it
     as one of them would silently keep one residual for all participants."""
-    if "flax" not in sys.modules:
-        return
-    from flax import nnx
-    if isinstance(state, (nnx.Optimizer, nnx.State)):
+    if flax_compat.is_optimizer_or_state(state):
         raise TypeError(
             f"cgx.{what} takes an optax state (tx.init(params)), not an "
             f"{type(state).__name__}: inside an nnx.Optimizer the error-feedback residual "
@@ -170,14 +168,6 @@ def _refuse_nnx_optimizer(state, what: str) -> None:
             f"cgx.value_and_grad(loss_fn, mesh=..., axis_name=..., error_feedback=True) in a "
             f"jax.jit/nnx.jit step, with the residual from cgx.init_residual(model, ...) "
             f"kept next to the optimizer (README, 'Use')")
-
-
-def _is_nnx_variable(value) -> bool:
-    # nnx.shard_map takes one spec per Variable, not one for the array inside it.
-    if "flax" not in sys.modules:
-        return False
-    from flax import nnx
-    return isinstance(value, nnx.Variable)
 
 
 def _specs(state, axis_name, is_leaf=None):

@@ -19,12 +19,12 @@ says invariant, gradients are local already): nothing is refused and nothing is 
 
 from __future__ import annotations
 
-import sys
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from cgx_jax import flax_compat
 from cgx_jax.collectives import axis_tuple
 
 
@@ -84,13 +84,6 @@ def to_local(tree, axis_name):
     return jax.tree.map(lambda x: _cast_tovarying_axes(x, axes), tree)
 
 
-def _is_nnx_module(value) -> bool:
-    if "flax" not in sys.modules:
-        return False
-    from flax import nnx
-    return isinstance(value, nnx.Module)
-
-
 def local_value_and_grad(fun, axis_name, *, argnums=0, has_aux: bool = False):
     """``jax.value_and_grad(fun, argnums, has_aux)`` that returns each participant's *local*
     loss and gradients inside ``shard_map`` (either ``check_vma``) or ``pmap``: the
@@ -123,14 +116,13 @@ def local_value_and_grad(fun, axis_name, *, argnums=0, has_aux: bool = False):
         args = list(args)
         modules = {}
         for i in positions:
-            if _is_nnx_module(args[i]):
+            if flax_compat.is_module(args[i]):
                 modules[i] = args[i]
                 args[i] = _local_copy(args[i], axis_name)
             else:
                 args[i] = to_local(args[i], axis_name)
         if modules:
-            from flax import nnx
-            grad_fn = nnx.value_and_grad(fun, argnums=argnums, has_aux=has_aux)
+            grad_fn = flax_compat.nnx().value_and_grad(fun, argnums=argnums, has_aux=has_aux)
         else:
             grad_fn = jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux)
         out = grad_fn(*args, **kwargs)
@@ -145,7 +137,7 @@ def _local_copy(module, axis_name):
     """A copy of NNX ``module`` whose parameters are varying over ``axis_name`` (local
     gradients) and whose RNG keys are folded with the participant's index (its own dropout
     masks); the module passed in keeps its keys."""
-    from flax import nnx
+    nnx = flax_compat.nnx()
     graphdef, params, keys, rest = nnx.split(module, nnx.Param, nnx.RngKey, ...)
     index = lax.axis_index(axis_tuple(axis_name))
     keys = jax.tree.map(lambda key: jax.random.fold_in(key, index), keys)
@@ -156,7 +148,7 @@ def _local_copy(module, axis_name):
 def _carry_back_state(copy, module, axis_name) -> None:
     """Updates ``module`` with the state the loss left in ``copy`` besides parameters and RNG
     keys (RNG counts, batch statistics, any other variable), agreed over ``axis_name``."""
-    from flax import nnx
+    nnx = flax_compat.nnx()
     carried = nnx.Not(nnx.Any(nnx.Param, nnx.RngKey))
     after, before = nnx.state(copy, carried), nnx.state(module, carried)
     before = dict(jax.tree_util.tree_leaves_with_path(before))

@@ -4,6 +4,7 @@ reference pointing at the document inside the repository."""
 
 import ast
 import pathlib
+import re
 
 import pytest
 
@@ -100,6 +101,13 @@ def test_jax_internals_are_confined_to_jax_compat():
     # The launcher's start-up hook names JAX's cluster module too: it runs before the script
     # and may import neither cgx_jax nor jax (cgx_jax/launch_site/sitecustomize.py).
     assert users == ["cgx_jax/collectives/jax_compat.py", "cgx_jax/launch_site/sitecustomize.py"]
+
+
+def test_flax_is_known_in_one_module():
+    """Flax is optional: one module finds out whether the program uses it (flax_compat.py)."""
+    users = sorted(str(p.relative_to(ROOT)) for p in MODULES.values()
+                   if re.search(r"from flax\b|import flax\b|[\"']flax[\"']", p.read_text()))
+    assert users == ["cgx_jax/flax_compat.py"]
 
 
 def test_design_references_point_inside_the_repository():
