@@ -6,18 +6,21 @@ on GPU), moved only by XLA's own collectives. The design, module by module, is
 docs/design.md.
 """
 
-from cgx_jax.adaptive import (AdaptiveConfig, ErrorTable, fit_policy, layer_errors,
-                              refit_policy)
+from cgx_jax.adaptive import AdaptiveConfig, ErrorTable, fit_policy, layer_errors, refit_policy
 from cgx_jax.api import compressed_pmean, compressed_psum, dequantize, quantize
+from cgx_jax.backends.ffi import has_cuda_support
 from cgx_jax.codec import Codec, packet_bytes, wire_bytes
 from cgx_jax.consistency import ProcessesDisagreeError
 from cgx_jax.data_parallel import init_residual, value_and_grad
-from cgx_jax.backends.ffi import has_cuda_support
-from cgx_jax.optax_transform import (CompressedAllReduceState, compressed_allreduce,
-                                     shard_state, state_specs)
 from cgx_jax.memory import keep_freed_memory
-from cgx_jax.vma import local_value_and_grad
+from cgx_jax.optax_transform import (
+    CompressedAllReduceState,
+    compressed_allreduce,
+    shard_state,
+    state_specs,
+)
 from cgx_jax.policy import LayerPolicy, leaf_paths, summary, tree_wire_bytes
+from cgx_jax.vma import local_value_and_grad
 
 __version__ = "0.1.0"
 

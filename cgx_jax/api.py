@@ -20,16 +20,23 @@ import numpy as np
 from jax import lax
 
 from cgx_jax import fusion, memory
-from cgx_jax.consistency import check_processes_agree, installed_version
 from cgx_jax.backends import BACKENDS, get_backend
-from cgx_jax.codec import Codec, pad_to_multiple, padded_length, packet_bytes
-from cgx_jax.collectives import (ALGORITHMS, Plan, allreduce_segments, axis_tuple, num_phases,
-                                 padding_multiple, resolve_algorithm, segment_rows)
+from cgx_jax.codec import Codec, packet_bytes, pad_to_multiple, padded_length
+from cgx_jax.collectives import (
+    ALGORITHMS,
+    Plan,
+    allreduce_segments,
+    axis_tuple,
+    num_phases,
+    padding_multiple,
+    resolve_algorithm,
+    segment_rows,
+)
+from cgx_jax.consistency import check_processes_agree, installed_version
 from cgx_jax.policy import LayerPolicy, is_compressible, path_name
 from cgx_jax.seeds import phase_seeds, rounding_seed, seed_bits
 from cgx_jax.validation import check_choice, check_codec
 from cgx_jax.vma import check_local
-
 
 # ---------------------------------------------------------------------------
 # Axes

@@ -22,7 +22,7 @@ as ``jax.value_and_grad``'s would, so ``optimizer.update`` and Optax apply uncha
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp

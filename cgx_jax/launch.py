@@ -34,8 +34,8 @@ for a signal; a rank whose link went down is named as such, see docs/design.md s
 with
 ``--max-restarts K`` it then starts all processes again, up to K times, each attempt with
 ``CGX_JAX_RESTART_COUNT`` (``restart_count()``) one higher, and the script resumes from its
-own checkpoints (``examples/vit/train.py --checkpoint-dir``). After
-``--timeout`` seconds (all attempts together) it stops everything and exits 124. It never waits on a hung peer.
+own checkpoints (``examples/vit/train.py --checkpoint-dir``). After ``--timeout`` seconds
+(all attempts together) it stops everything and exits 124. It never waits on a hung peer.
 SIGTERM, SIGHUP and Ctrl-C stop every process too (exit code 130). Each process is started
 through ``cgx_jax.launch_child``, which has Linux SIGKILL it when the launcher exits, so a
 launcher killed with SIGKILL takes its processes with it.

@@ -10,9 +10,8 @@ every replica::
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
-
 import math
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp

@@ -9,7 +9,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -73,7 +74,8 @@ class LayerPolicy:
         >>> policy = cgx.LayerPolicy(default=cgx.Codec(bits=4), min_size=1024,
         ...                          overrides={"head": cgx.Codec(bits=8)})
         >>> tree = {"head": {"kernel": jnp.zeros((64, 64))}, "mlp": {"bias": jnp.zeros(64)}}
-        >>> [c and c.bits for c in jax.tree.leaves(policy.resolve(tree), is_leaf=lambda c: c is None)]
+        >>> codecs = jax.tree.leaves(policy.resolve(tree), is_leaf=lambda c: c is None)
+        >>> [c and c.bits for c in codecs]
         [8, None]
     """
 
@@ -159,7 +161,8 @@ def tree_wire_bytes(policy: LayerPolicy, tree) -> int:
 
     Example:
         >>> import cgx_jax as cgx, jax.numpy as jnp
-        >>> cgx.tree_wire_bytes(cgx.LayerPolicy(), {"w": jnp.zeros((256, 256)), "b": jnp.zeros(256)})
+        >>> tree = {"w": jnp.zeros((256, 256)), "b": jnp.zeros(256)}
+        >>> cgx.tree_wire_bytes(cgx.LayerPolicy(), tree)
         34304
     """
     leaves = jax.tree_util.tree_leaves(tree)
@@ -205,7 +208,8 @@ def summary(policy, tree) -> str:
     for (path, leaf), codec in zip(flat, codecs):
         size = int(jnp.size(leaf))
         wire = leaf_wire_bytes(codec, leaf)
-        name = "exact" if codec is None else f"{codec.bits} bit/{codec.bucket_size} {codec.rounding}"
+        name = ("exact" if codec is None
+                else f"{codec.bits} bit/{codec.bucket_size} {codec.rounding}")
         wire_total += wire
         f32_total += 4 * size
         rows.append((path_name(path), str(tuple(jnp.shape(leaf))), name, wire, 4 * size))

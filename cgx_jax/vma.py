@@ -19,7 +19,6 @@ says invariant, gradients are local already): nothing is refused and nothing is 
 
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -172,7 +171,8 @@ def _agree(new, old, axis_name, path):
     if jnp.issubdtype(new.dtype, jnp.inexact):
         return lax.pmean(to_local(new, axes), axes)
     raise ValueError(
-        f"cgx.local_value_and_grad: the loss changed the module's variable {jax.tree_util.keystr(path)} ({new.dtype}) "
+        f"cgx.local_value_and_grad: the loss changed the module's variable "
+        f"{jax.tree_util.keystr(path)} ({new.dtype}) "
         f"differently on each participant of {axis_name!r}: floating state is averaged over "
         f"the participants, but integer state cannot be; keep it out of the loss or make it "
         f"floating")

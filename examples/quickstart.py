@@ -47,7 +47,7 @@ def synthetic_gradients(shapes, num_devices, key):
     leaves, treedef = jax.tree.flatten(shapes, is_leaf=lambda s: isinstance(s, tuple))
     keys = jax.random.split(key, len(leaves))
     grads = []
-    for i, (shape, k) in enumerate(zip(leaves, keys)):
+    for shape, k in zip(leaves, keys):
         k_scale, k_shared, k_local = jax.random.split(k, 3)
         scale = 10.0 ** jax.random.uniform(k_scale, (), minval=-4, maxval=-1)
         shared = jax.random.t(k_shared, 3.0, shape)

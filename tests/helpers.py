@@ -10,13 +10,11 @@ import functools
 import jax
 import ml_dtypes
 import numpy as np
-from jax.sharding import Mesh
-from jax.sharding import PartitionSpec as P
-
 import numpy_model as model
+from jax.sharding import Mesh, PartitionSpec as P
+
 from cgx_jax.backends import ffi, pure_jax
 from cgx_jax.codec import Codec
-
 
 # ---------------------------------------------------------------------------
 # Meshes and sharded runs

@@ -159,7 +159,6 @@ def disagree(out_dir: str, rank: int, devices, mode: str) -> None:
     writes what it got to ``OUT_DIR/rank{i}.txt``. ``disagree_uncaught:SETTING``: the error
     is left to end the process, as in a user's script."""
     import jax
-    import jax.numpy as jnp
     from jax.sharding import PartitionSpec as P
 
     import cgx_jax as cgx

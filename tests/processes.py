@@ -8,12 +8,11 @@ import sys
 import time
 
 import jax
+import multiprocess_worker as worker
 import numpy as np
 import pytest
 
-import multiprocess_worker as worker
 from cgx_jax import netem
-
 
 # ---------------------------------------------------------------------------
 # Real processes: python -m cgx_jax.launch running multiprocess_worker.py

@@ -10,11 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from models import NUM_DEVICES, LinenBlock, init_params, loss_fn, replicate, tail_loss, teacher_data
 
 import cgx_jax as cgx
 from cgx_jax.adaptive.fit import knapsack
-from models import (NUM_DEVICES, LinenBlock, init_params, loss_fn, replicate, tail_loss,
-                    teacher_data)
 
 CPU = jax.devices("cpu")
 

@@ -12,14 +12,26 @@ import warnings
 import jax
 import jax.numpy as jnp
 import numpy as np
+import numpy_model as model
 import pytest
+from helpers import (
+    BF16,
+    DTYPES,
+    F32,
+    as_dtype,
+    assert_bytes_equal,
+    assert_same_floats,
+    codec_of,
+    cpu_mesh,
+    model_decoded,
+    on_cpu,
+    realistic,
+    run_sharded,
+)
 from jax.sharding import PartitionSpec as P
 
 import cgx_jax as cgx
-import numpy_model as model
 from cgx_jax.codec import packet_bytes, wire_bytes
-from helpers import (BF16, DTYPES, F32, as_dtype, assert_bytes_equal, assert_same_floats,
-                     codec_of, cpu_mesh, model_decoded, on_cpu, realistic, run_sharded)
 
 CPU = jax.devices("cpu")
 NEAREST = cgx.Codec(bits=4, bucket_size=64, rounding="nearest")

@@ -16,8 +16,7 @@ import jax
 import ml_dtypes
 import numpy as np
 import pytest
-from jax.sharding import Mesh
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh, PartitionSpec as P
 
 import cgx_jax as cgx
 from cgx_jax.backends import ffi

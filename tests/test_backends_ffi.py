@@ -14,14 +14,33 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
-
 import numpy_model as model
+import pytest
+from helpers import (
+    BF16,
+    BITS,
+    DTYPES,
+    EPS,
+    F16,
+    F32,
+    ROUNDINGS,
+    as_dtype,
+    assert_bytes_equal,
+    assert_same_floats,
+    codec_of,
+    dequantize,
+    ffi_quantize,
+    jit_reduce,
+    jnp_quantize,
+    model_decoded,
+    on_cpu,
+    quantize,
+    realistic,
+    with_specials,
+)
+
 from cgx_jax.backends import ffi, pure_jax
 from cgx_jax.codec import packet_bytes
-from helpers import (BF16, BITS, DTYPES, EPS, F16, F32, ROUNDINGS, as_dtype, assert_bytes_equal,
-                     assert_same_floats, codec_of, dequantize, ffi_quantize, jit_reduce,
-                     jnp_quantize, model_decoded, on_cpu, quantize, realistic, with_specials)
 
 pytestmark = pytest.mark.usefixtures("cpu_default_device")
 

@@ -7,10 +7,9 @@ they also show no access outside a buffer."""
 import jax
 import jax.numpy as jnp
 import numpy as np
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
 import numpy_model as model
+from hypothesis import HealthCheck, given, settings, strategies as st
+
 from cgx_jax.backends import ffi
 
 CPU = jax.devices("cpu")[0]
@@ -43,7 +42,8 @@ codecs = st.tuples(st.integers(1, 8), st.sampled_from([8, 16, 24, 64, 200]), st.
 
 @SETTINGS
 @given(codec=codecs, rows=st.integers(0, 3), buckets=st.integers(0, 4),
-       length_delta=st.sampled_from([0, 0, 0, -8, 8, 1]), packet_delta=st.sampled_from([0, 0, 1, -1]),
+       length_delta=st.sampled_from([0, 0, 0, -8, 8, 1]),
+       packet_delta=st.sampled_from([0, 0, 1, -1]),
        seed_len=st.sampled_from([2, 2, 2, 1, 3]), short=st.sampled_from([0, 0, 1, 9, 200]),
        data=st.data())
 def test_quantize_matches_model_or_fails(codec, rows, buckets, length_delta, packet_delta,

@@ -8,14 +8,30 @@ whole compressed_psum with either backend. Runs on the CPU device.
 import jax
 import jax.numpy as jnp
 import numpy as np
+import numpy_model as model
 import pytest
+from helpers import (
+    BITS,
+    EPS,
+    F32,
+    ROUNDINGS,
+    assert_bytes_equal,
+    assert_same_floats,
+    codec_of,
+    dequantize,
+    float_bits,
+    jit_reduce,
+    jnp_dequantize,
+    jnp_quantize,
+    on_cpu,
+    quantize,
+    realistic,
+    run_sharded,
+    with_specials,
+)
 
 import cgx_jax as cgx
-import numpy_model as model
 from cgx_jax.backends import ffi, pure_jax
-from helpers import (BITS, EPS, F32, ROUNDINGS, assert_bytes_equal, assert_same_floats,
-                     codec_of, dequantize, float_bits, jit_reduce, jnp_dequantize, jnp_quantize,
-                     on_cpu, quantize, realistic, run_sharded, with_specials)
 
 pytestmark = pytest.mark.usefixtures("cpu_default_device")
 

@@ -13,12 +13,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import run_2d, run_sharded
 from jax import lax
 
 import cgx_jax as cgx
 from cgx_jax.api import reduce_tree
-from helpers import run_2d, run_sharded
-
 
 # ---------------------------------------------------------------------------
 # Error bounds

@@ -12,13 +12,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import cpu_mesh, run_sharded
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import cgx_jax as cgx
 from cgx_jax.collectives import jax_compat
 from cgx_jax.collectives.transport import SWAP_PIECE_BYTES, exchange_rows, gather_packets
-from helpers import cpu_mesh, run_sharded
 
 
 @pytest.mark.parametrize("num_devices", [1, 2, 3, 4, 8])

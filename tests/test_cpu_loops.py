@@ -68,7 +68,8 @@ def test_cpu_handlers_compile_for_aarch64(tmp_path):
     subprocess.run(
         [CROSS, "-std=c++17", "-O1", "-ffp-contract=off", "-fPIC", "-w",
          f"-I{ROOT / 'xla_ffi'}", f"-I{ROOT / 'xla_ffi' / 'cpu'}",
-         "-isystem", jax.ffi.include_dir(), f"-I{nb}", f"-I{nb.parent / 'ext' / 'robin_map' / 'include'}",
+         "-isystem", jax.ffi.include_dir(), f"-I{nb}",
+         f"-I{nb.parent / 'ext' / 'robin_map' / 'include'}",
          f"-I{sysconfig.get_paths()['include']}",
          "-c", str(ROOT / "xla_ffi" / "cpu" / "cpu_kernels.cc"), "-o", str(tmp_path / "k.o")],
         check=True, capture_output=True, text=True, timeout=600)

@@ -7,10 +7,10 @@ the direct FFI calls in test_backends_ffi.py)."""
 import jax
 import jax.numpy as jnp
 import pytest
+from helpers import cpu_mesh
 from jax.sharding import PartitionSpec as P
 
 import cgx_jax as cgx
-from helpers import cpu_mesh
 
 NEAREST = cgx.Codec(bits=4, bucket_size=64, rounding="nearest")
 

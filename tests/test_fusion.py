@@ -2,23 +2,23 @@
 all-gather every leaf of at least ``OWN_SEGMENT_MIN_VALUES`` values is a segment of its own
 (one short of whole chunks within its last chunk is padded by the kernels) and the other
 leaves are packed into one more; all segments share the
-algorithm's collectives. The reference is a numpy simulation of each algorithm per segment, built from
-the numpy model of the codec (tests/numpy_model.py) with nearest rounding, compared bit for
-bit: it sees which chunk (and so which participant's raw values) every bucket lands in.
+algorithm's collectives. The reference is a numpy simulation of each algorithm per segment,
+built from the numpy model of the codec (tests/numpy_model.py) with nearest rounding, compared
+bit for bit: it sees which chunk (and so which participant's raw values) every bucket lands in.
 """
 
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+import numpy_model as model
 import pytest
+from helpers import cpu_mesh, run_sharded
 
 import cgx_jax as cgx
-import numpy_model as model
-from cgx_jax.api import reduce_tree
 from cgx_jax import fusion
+from cgx_jax.api import reduce_tree
 from cgx_jax.fusion import OWN_SEGMENT_MIN_VALUES, fits_short_row, split_segments
-from helpers import cpu_mesh, run_sharded
 
 NOTHING_COMPRESSED = "no leaf is compressed"  # the default policy keeps these trees exact
 
@@ -187,7 +187,8 @@ def exact_tree(num_devices, rng):
                            else rng.integers(-1000, 1000, (num_devices, *shape), np.int32))
     return {"norm": {"scale": draw((384,), np.float32), "bias": draw((384,), np.float32)},
             "head_bias": draw((10,), np.float32), "scalar": draw((), np.float32),
-            "embed_bias": draw((3, 7), ml_dtypes.bfloat16), "ln_bf16": draw((64,), ml_dtypes.bfloat16),
+            "embed_bias": draw((3, 7), ml_dtypes.bfloat16),
+            "ln_bf16": draw((64,), ml_dtypes.bfloat16),
             "step": draw((), np.int32), "counts": draw((5,), np.int32),
             "big_exact": draw((fusion.EXACT_FUSE_MAX_VALUES,), np.float32)}
 

@@ -17,10 +17,15 @@ import threading
 import time
 
 import pytest
+from processes import (
+    assert_bitwise_equal,
+    gather_results,
+    launch_worker,
+    needs_netns,
+    single_process,
+)
 
 from cgx_jax import launch, netem
-from processes import (assert_bitwise_equal, gather_results, launch_worker, needs_netns,
-                     single_process)
 
 
 def test_failing_process_stops_the_launch(tmp_path):

@@ -54,7 +54,8 @@ def test_replicas_identical_and_every_shard_its_own_noise(cpu_devices, shape, er
     specs = {"w": w_spec, "v": P()}
     k = jax.random.split(jax.random.key(0), 3)
     params = {"w": jax.device_put(jax.random.normal(k[0], (128, 128)), NamedSharding(mesh, w_spec)),
-              "v": jax.device_put(jax.random.normal(k[1], (128, 128)) / 8, NamedSharding(mesh, P()))}
+              "v": jax.device_put(jax.random.normal(k[1], (128, 128)) / 8,
+                                  NamedSharding(mesh, P()))}
     x = jax.device_put(jax.random.normal(k[2], (32, 128)), NamedSharding(mesh, P("data")))
     grad_fn = cgx.value_and_grad(column_constant_loss, mesh=mesh, axis_name="data",
                                  policy=FOUR_BITS, param_specs=specs,

@@ -8,10 +8,9 @@ import os
 import re
 
 import jax
+import multiprocess_worker as worker
 import numpy as np
 import pytest
-
-import multiprocess_worker as worker
 from processes import assert_bitwise_equal, gather_results, launch_worker, single_process
 
 

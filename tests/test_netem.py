@@ -11,9 +11,9 @@ import sys
 import time
 
 import pytest
+from processes import NETNS_PREFIX, NETNS_SUBNET, needs_netns, own_namespaces
 
 from cgx_jax import netem
-from processes import NETNS_PREFIX, NETNS_SUBNET, needs_netns, own_namespaces
 
 
 @needs_netns

@@ -19,23 +19,23 @@ and compared:
   SRA encoded by one participant in both phases, ring hops, inner pieces) make it grow.
 
 The error's sum is also checked against zero (stochastic rounding through a whole algorithm
-stays unbiased). The reference is a numpy simulation of the same algorithm, built from the numpy model of the
-codec (tests/numpy_model.py) with fresh, independent noise for every encode. Both sides
-compute with the same f32 operations on the same values, so the expectations of Q1 and Q2
-agree exactly when the library's noise is independent; the test computes the standard
-error of each statistic from its terms and allows 5 of them.
+stays unbiased). The reference is a numpy simulation of the same algorithm, built from the
+numpy model of the codec (tests/numpy_model.py) with fresh, independent noise for every
+encode. Both sides compute with the same f32 operations on the same values, so the
+expectations of Q1 and Q2 agree exactly when the library's noise is independent; the test
+computes the standard error of each statistic from its terms and allows 5 of them.
 """
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
-
-import cgx_jax as cgx
 import numpy_model as model
-from cgx_jax.fusion import OWN_SEGMENT_MIN_VALUES
+import pytest
 from helpers import cpu_mesh, run_2d, run_sharded
 from jax.sharding import PartitionSpec as P
+
+import cgx_jax as cgx
+from cgx_jax.fusion import OWN_SEGMENT_MIN_VALUES
 
 BITS, BUCKET = 2, 128
 CODEC = cgx.Codec(bits=BITS, bucket_size=BUCKET, rounding="stochastic")

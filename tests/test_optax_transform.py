@@ -10,11 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import cpu_mesh
 from jax.sharding import PartitionSpec as P
+from models import NUM_DEVICES, init_params, loss_fn, replicate, tail_loss, teacher_data
 
 import cgx_jax as cgx
-from helpers import cpu_mesh
-from models import NUM_DEVICES, init_params, loss_fn, replicate, tail_loss, teacher_data
 
 CPU = jax.devices("cpu")
 
@@ -128,7 +128,7 @@ def test_multisteps_reduces_only_on_the_real_step():
     step = make_step(tx)
     x, y = teacher_data()
     keys = []
-    for i in range(2 * every):
+    for _ in range(2 * every):
         params, state, _ = step(params, state, x, y)
         keys.append(np.asarray(state.inner_opt_state[0].key[0]))
         jax.block_until_ready(params)

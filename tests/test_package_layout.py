@@ -97,7 +97,8 @@ def test_no_module_imports_private_names_of_another(name):
 
 
 def test_jax_internals_are_confined_to_jax_compat():
-    users = sorted(str(p.relative_to(ROOT)) for p in MODULES.values() if "jax._src" in p.read_text())
+    users = sorted(str(p.relative_to(ROOT)) for p in MODULES.values()
+                   if "jax._src" in p.read_text())
     # The launcher's start-up hook names JAX's cluster module too: it runs before the script
     # and may import neither cgx_jax nor jax (cgx_jax/launch_site/sitecustomize.py).
     assert users == ["cgx_jax/collectives/jax_compat.py", "cgx_jax/launch_site/sitecustomize.py"]
@@ -113,7 +114,8 @@ def test_flax_is_known_in_one_module():
 def test_design_references_point_inside_the_repository():
     assert (ROOT / "docs" / "design.md").is_file()
     sources = [p for folder in ("cgx_jax", "tests", "examples", "xla_ffi")
-               for p in (ROOT / folder).rglob("*") if p.suffix in (".py", ".h", ".cc", ".cu", ".sh")]
+               for p in (ROOT / folder).rglob("*")
+               if p.suffix in (".py", ".h", ".cc", ".cu", ".sh")]
     stale = [str(p.relative_to(ROOT)) for p in sources + [ROOT / "README.md"]
              if p != pathlib.Path(__file__).resolve()
              and "DESIGN.md" in p.read_text().replace("docs/design.md", "")]

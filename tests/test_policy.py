@@ -8,10 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-
-import cgx_jax as cgx
 from helpers import run_sharded
 from models import LinenBlock
+
+import cgx_jax as cgx
 
 
 def linen_params():
@@ -67,7 +67,8 @@ def test_nnx_state_paths():
 
 def test_override_matching_nothing_lists_the_paths():
     policy = cgx.LayerPolicy(overrides={r"decoder/.*": cgx.Codec(bits=2)})
-    with pytest.raises(ValueError, match=r"override regex 'decoder/\.\*' matches no leaf.*fc1/kernel"):
+    with pytest.raises(ValueError,
+                       match=r"override regex 'decoder/\.\*' matches no leaf.*fc1/kernel"):
         policy.resolve(linen_params())
 
 
@@ -97,10 +98,12 @@ def test_summary_table():
 
 
 def test_default_policy_keeps_small_and_1d_leaves_exact():
-    tree = {"kernel": jnp.ones((8, 256, 128)) * jnp.arange(128), "bias": jnp.ones((8, 128)) * jnp.arange(128) / 4}
+    tree = {"kernel": jnp.ones((8, 256, 128)) * jnp.arange(128),
+            "bias": jnp.ones((8, 128)) * jnp.arange(128) / 4}
     out = run_sharded(
         lambda t, k: cgx.compressed_psum(t, "batch", key=k), tree, 8, jax.random.key(0))
-    np.testing.assert_array_equal(np.asarray(out["bias"][0]), 2.0 * np.arange(128, dtype=np.float32))
+    np.testing.assert_array_equal(np.asarray(out["bias"][0]),
+                                  2.0 * np.arange(128, dtype=np.float32))
     assert not np.array_equal(np.asarray(out["kernel"][0]), np.asarray(tree["kernel"].sum(0)))
 
 

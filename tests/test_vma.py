@@ -11,11 +11,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from helpers import cpu_mesh
 from jax.sharding import PartitionSpec as P
+from models import NUM_DEVICES, init_params, loss_fn, teacher_data
 
 import cgx_jax as cgx
-from helpers import cpu_mesh
-from models import NUM_DEVICES, init_params, loss_fn, teacher_data
 
 AXIS = "batch"
 # 8-bit nearest rounding: the reduced mean is within 1% of the exact one, an N-fold scale is not.

@@ -26,8 +26,13 @@ import re
 import jax
 import numpy as np
 
-from cgx_jax.adaptive.measure import (DEFAULT_BUCKET_SIZE, DEFAULT_CHOICES, ErrorTable,
-                                      check_choices, layer_errors)
+from cgx_jax.adaptive.measure import (
+    DEFAULT_BUCKET_SIZE,
+    DEFAULT_CHOICES,
+    ErrorTable,
+    check_choices,
+    layer_errors,
+)
 from cgx_jax.codec import META_BYTES_PER_BUCKET, Codec, padded_length
 from cgx_jax.policy import LayerPolicy
 from cgx_jax.validation import check_choice

@@ -145,7 +145,8 @@ def layer_errors(grads, choices=DEFAULT_CHOICES, bucket_size: int = DEFAULT_BUCK
         row = []
         for b in choices:
             packet = implementation.quantize_rows(padded, seed, codecs[b])
-            decoded = implementation.dequantize_rows(packet, codecs[b], padded.shape[1], jnp.float32)
+            decoded = implementation.dequantize_rows(packet, codecs[b], padded.shape[1],
+                                                     jnp.float32)
             row.append(jnp.sum(jnp.square(decoded[0, :leaf.size] - values)))
         paths.append(path_name(path))
         sizes.append(leaf.size)

@@ -14,8 +14,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from cgx_jax.adaptive.fit import check_budget, fit_policy
-from cgx_jax.adaptive.measure import (DEFAULT_BUCKET_SIZE, DEFAULT_CHOICES, ErrorTable,
-                                      check_choices, layer_errors)
+from cgx_jax.adaptive.measure import (
+    DEFAULT_BUCKET_SIZE,
+    DEFAULT_CHOICES,
+    ErrorTable,
+    check_choices,
+    layer_errors,
+)
 from cgx_jax.codec import Codec
 from cgx_jax.policy import LayerPolicy
 

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cgx_jax.codec import Codec, pad_to_multiple, packet_bytes
+from cgx_jax.codec import Codec, packet_bytes, pad_to_multiple
 
 _F32_MAX = np.float32(np.finfo(np.float32).max)
 

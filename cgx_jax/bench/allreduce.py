@@ -15,8 +15,9 @@ propagation, timeout); each runs this module's worker (``--worker``), which call
 measures, per size, the median over ``--repeats`` blocking calls (after warm-up) of
 ``lax.psum`` f32, ``lax.psum`` after a bf16 cast, and ``compressed_psum`` for every bits x
 algorithm, with the relative L2 error against the f32 psum. ``--algorithms sra-wire`` adds,
-per bits, SRA's exchange (``collectives.transport.exchange_rows``) and ``all_gather`` on packets of the same
-bytes with no encoding, decoding or reduction: the network's share of ``cgx sra``. Rank 0
+per bits, SRA's exchange (``collectives.transport.exchange_rows``) and ``all_gather`` on
+packets of the same bytes with no encoding, decoding or reduction: the network's share of
+``cgx sra``. Rank 0
 writes the rows as JSON; the orchestrator prints the table and writes ``--json`` /
 ``--markdown`` / ``--plot``.
 
@@ -37,8 +38,14 @@ import sys
 import textwrap
 import time
 
-from cgx_jax.bench.common import (add_report_arguments, add_worker_arguments, cpu_description,
-                                  parse_size, run_links, size_label)
+from cgx_jax.bench.common import (
+    add_report_arguments,
+    add_worker_arguments,
+    cpu_description,
+    parse_size,
+    run_links,
+    size_label,
+)
 from cgx_jax.netem import argument_problem, parse_rate, shaped_network
 
 NS_PREFIX = "cgxbench"
@@ -394,7 +401,8 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     links = sorted(dict.fromkeys(r["link"] for r in rows), key=_link_order)
     sizes = list(dict.fromkeys(r["elements"] for r in rows))
     for r in rows:  # one line per method and layout
-        r["series"] = r["method"] + ("" if r.get("layout", "flat") == "flat" else f" ({r['layout']})")
+        layout = r.get("layout", "flat")
+        r["series"] = r["method"] + ("" if layout == "flat" else f" ({layout})")
     methods = [m for m in dict.fromkeys(r["series"] for r in rows) if m != "psum f32"]
     fig, axes = plt.subplots(1, len(sizes), figsize=(4.2 * len(sizes) + 1.8, 4.2),
                              sharey=True, squeeze=False)

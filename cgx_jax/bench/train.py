@@ -36,8 +36,12 @@ import os
 import sys
 import time
 
-from cgx_jax.bench.common import (add_report_arguments, add_worker_arguments, cpu_description,
-                                  run_links)
+from cgx_jax.bench.common import (
+    add_report_arguments,
+    add_worker_arguments,
+    cpu_description,
+    run_links,
+)
 from cgx_jax.netem import argument_problem, shaped_network
 
 NS_PREFIX = "cgxtrain"
@@ -385,8 +389,9 @@ def _run_link(args, link: str, tmp: str) -> tuple[int, list[dict], str]:
               f"{f'{link} tbf per link' if network else 'unshaped loopback'}", flush=True)
         command = [sys.executable, "-m", "cgx_jax.bench.train", "--worker", "--out", out,
                    "--models", *args.models, "--modes", *args.modes, "--batch",
-                   str(args.batch), "--mlp-hidden", str(args.mlp_hidden), "--repeats", str(args.repeats), "--warmup",
-                   str(args.warmup)] + (["--coordinator", coordinator] if coordinator else [])
+                   str(args.batch), "--mlp-hidden", str(args.mlp_hidden),
+                   "--repeats", str(args.repeats), "--warmup", str(args.warmup)]
+        command += ["--coordinator", coordinator] if coordinator else []
         code = launch(wrap(command), args.processes, 1, timeout=args.timeout)
     rows = []
     if code == 0 and os.path.exists(out):

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Hashable
+from collections.abc import Hashable
 
 import jax
 import jax.numpy as jnp

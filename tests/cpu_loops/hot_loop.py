@@ -24,7 +24,8 @@ def hottest_loop(perf_data: str, symbol: str) -> tuple[list[str], float]:
     for line in listing.splitlines():
         m = re.match(r"\s+([0-9.]+)?\s*:\s+([0-9a-f]+):\s+(.*)", line)
         if m:
-            rows.append((int(m.group(2), 16), float(m.group(1) or 0), m.group(3).split("#")[0].strip()))
+            rows.append((int(m.group(2), 16), float(m.group(1) or 0),
+                         m.group(3).split("#")[0].strip()))
     index = {address: i for i, (address, _, _) in enumerate(rows)}
     best = None
     for end, (address, _, text) in enumerate(rows):

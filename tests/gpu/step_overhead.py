@@ -2,8 +2,8 @@
 
 1. ``compressed_psum`` of a flat f32 array (the default ``Codec()``) and of the example ViT's
    gradient pytree (the default policy) under ``jax.pmap`` and ``jax.shard_map``, next to
-   ``lax.psum`` of the same values. With one GPU there is no wire: the time is what encoding, the reduction kernel and
-   decoding cost.
+   ``lax.psum`` of the same values. With one GPU there is no wire: the time is what encoding,
+   the reduction kernel and decoding cost.
 2. One training step of the example ViT (``examples/vit/model.py``, Flax NNX, the example's
    ``jax.shard_map`` step) at ViT-S/16 size on 224x224 inputs, with the exact ``lax.pmean``
    transform and with ``cgx.compressed_allreduce`` (library defaults): the difference is what
