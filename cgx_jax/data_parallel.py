@@ -21,8 +21,10 @@ as ``jax.value_and_grad``'s would, so ``optimizer.update`` and Optax apply uncha
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -141,55 +143,21 @@ def value_and_grad(fun: Callable, *, mesh: Mesh, axis_name: str, argnums=0,
         raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh, whose axes "
                          f"are {mesh.axis_names}")
     positions = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+    single = isinstance(argnums, int)
+    # param_specs describes the gradients as returned: one tree, or one per argnum.
+    specs = (param_specs,) if single and param_specs is not None else param_specs
+    settings = dict(fun=fun, mesh=mesh, axis_name=axis_name, positions=positions,
+                    has_aux=has_aux, policy=policy, algorithm=algorithm, backend=backend)
 
     def grad_fn(*args, step=None, residual=None):
-        if error_feedback and residual is None:
-            raise ValueError("cgx.value_and_grad(..., error_feedback=True): pass residual= "
-                             "(cgx.init_residual(params, mesh=..., axis_name=...) at the "
-                             "start, then the residual the last call returned)")
-        if not error_feedback and residual is not None:
-            raise ValueError("residual= is only taken with error_feedback=True")
-        for i in positions:
-            if not 0 <= i < len(args):
-                raise ValueError(f"argnums {argnums} names argument {i}, but grad_fn got "
-                                 f"{len(args)} positional arguments")
-        if len(positions) == len(args):
-            raise ValueError(
-                f"cgx.value_and_grad: every argument is differentiated (argnums {argnums}), so "
-                f"none is a batch to split over {axis_name!r}: pass the batch as arguments, "
-                f"fun(model, x, y), not through a closure; a closed-over batch would be "
-                f"computed whole by every participant")
-        key = _step_key(step, seed)
-        # NNX modules travel as (graph, state) and are rebuilt inside the shard_map; of
-        # other arguments only the arrays travel (floating ones, of parameters), the rest
-        # is closed over.
-        graphs, static = {}, {}
-        flat_args = list(args)
-        for i, arg in enumerate(args):
-            if i in positions and flax_compat.is_module(arg):
-                graphs[i], flat_args[i] = flax_compat.nnx().split(arg)
-            else:
-                keep = is_differentiable if i in positions else is_array
-                flat_args[i], static[i] = partition(arg, keep)
-
-        def array_fun(*array_args):
-            return fun(*(combine(a, static[i]) if i in static else a
-                         for i, a in enumerate(array_args)))
-
-        # param_specs describes the gradients as returned: one tree, or one per argnum.
-        specs = (param_specs,) if isinstance(argnums, int) and param_specs is not None \
-            else param_specs
-        if specs is None and not graphs:
-            specs = _specs_jax_knows(tuple(flat_args[i] for i in positions), mesh, axis_name)
-        value, grads, states = _local_gradients(array_fun, mesh, axis_name, positions, graphs,
-                                                has_aux, flat_args, specs)
+        _check_call(args, argnums, positions, axis_name, error_feedback, residual)
+        call, flat_args = _Call.of(args, specs, _step_key(step, seed), **settings)
+        value, grads, states, leaf_specs = _local_gradients(call, flat_args)
         for i, state in states.items():  # state a step changed (RNG counts, statistics)
             flax_compat.nnx().update(args[i], state)
-        single = len(positions) == 1 and isinstance(argnums, int)
         if residual is not None:
             residual = (residual,) if single else tuple(residual)
-        grads, residual = _compressed_mean(grads, residual, mesh, axis_name, policy, key,
-                                           algorithm, backend, specs)
+        grads, residual = _compressed_mean(call, grads, residual, leaf_specs)
         if single:
             grads = grads[0]
             residual = None if residual is None else residual[0]
@@ -199,6 +167,73 @@ def value_and_grad(fun: Callable, *, mesh: Mesh, axis_name: str, argnums=0,
 
     grad_fn.policy = policy  # for cgx.summary(grad_fn, params)
     return grad_fn
+
+
+def _check_call(args, argnums, positions, axis_name, error_feedback, residual) -> None:
+    """The errors a call can have before anything is traced."""
+    if error_feedback and residual is None:
+        raise ValueError("cgx.value_and_grad(..., error_feedback=True): pass residual= "
+                         "(cgx.init_residual(params, mesh=..., axis_name=...) at the "
+                         "start, then the residual the last call returned)")
+    if not error_feedback and residual is not None:
+        raise ValueError("residual= is only taken with error_feedback=True")
+    for i in positions:
+        if not 0 <= i < len(args):
+            raise ValueError(f"argnums {argnums} names argument {i}, but grad_fn got "
+                             f"{len(args)} positional arguments")
+    if len(positions) == len(args):
+        raise ValueError(
+            f"cgx.value_and_grad: every argument is differentiated (argnums {argnums}), so "
+            f"none is a batch to split over {axis_name!r}: pass the batch as arguments, "
+            f"fun(model, x, y), not through a closure; a closed-over batch would be "
+            f"computed whole by every participant")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Call:
+    """One call of a ``value_and_grad`` function, normalized once; both stages read it.
+
+    ``positions``: the differentiated arguments. ``graphs``: the NNX module passed at a
+    position, as its graph (its state travels in the arguments and is merged back inside
+    the shard_map). ``static``: per argument, its leaves that do not travel (not arrays, or
+    not floating arrays of a parameter), put back before ``fun`` runs. ``specs``: the
+    parameters' ``PartitionSpec`` trees, one per position (``None``: NNX annotations).
+    ``key``: this step's noise key (``None`` without a step)."""
+    fun: Callable
+    mesh: Mesh
+    axis_name: str
+    positions: tuple
+    has_aux: bool
+    policy: LayerPolicy
+    algorithm: str
+    backend: str
+    graphs: dict
+    static: dict
+    specs: Any
+    key: Any
+
+    @classmethod
+    def of(cls, args, specs, key, **settings):
+        """The call of ``args`` and the arguments that travel into the shard_maps: an NNX
+        module's state, of other arguments only their arrays (floating ones, of the
+        parameters); the rest is closed over."""
+        positions = settings["positions"]
+        graphs, static, flat_args = {}, {}, list(args)
+        for i, arg in enumerate(args):
+            if i in positions and flax_compat.is_module(arg):
+                graphs[i], flat_args[i] = flax_compat.nnx().split(arg)
+            else:
+                keep = is_differentiable if i in positions else is_array
+                flat_args[i], static[i] = partition(arg, keep)
+        if specs is None and not graphs:
+            specs = _specs_jax_knows(tuple(flat_args[i] for i in positions),
+                                     settings["mesh"], settings["axis_name"])
+        return cls(graphs=graphs, static=static, specs=specs, key=key, **settings), flat_args
+
+    def loss(self, *array_args):
+        """``fun`` of the arguments as they travelled, their other leaves put back."""
+        return self.fun(*(combine(a, self.static[i]) if i in self.static else a
+                          for i, a in enumerate(array_args)))
 
 
 def _specs_jax_knows(params, mesh, axis_name):
@@ -249,25 +284,29 @@ def _step_key(step, seed: int):
     return jax.random.fold_in(jax.random.PRNGKey(seed), step.astype(jnp.uint32))
 
 
-def _local_gradients(fun, mesh, axis_name, positions, graphs, has_aux, flat_args,
-                     param_specs):
-    """Stage 1: each participant's loss and gradient, manual over ``axis_name`` only."""
+def _local_gradients(call: _Call, flat_args):
+    """Stage 1: each participant's loss and gradient, manual over the data axis only. Returns
+    the loss (averaged), the gradients stacked one row per participant, the NNX modules'
+    other state, and every gradient leaf's ``PartitionSpec``."""
+    mesh, axis_name, positions = call.mesh, call.axis_name, call.positions
     in_specs = tuple(P() if i in positions else P(axis_name) for i in range(len(flat_args)))
+    leaf_specs = []  # filled while the shard_map traces `local`
 
     def local(*local_args):
         local_args = list(local_args)
         modules = {}
-        for i, graph in graphs.items():
+        for i, graph in call.graphs.items():
             local_args[i] = modules[i] = flax_compat.nnx().merge(graph, local_args[i])
         out, grads = _with_clear_constraint_errors(
-            lambda: local_value_and_grad(fun, axis_name, argnums=positions,
-                                         has_aux=has_aux)(*local_args), axis_name)
+            lambda: local_value_and_grad(call.loss, axis_name, argnums=positions,
+                                         has_aux=call.has_aux)(*local_args), axis_name)
         out = jax.tree.map(lambda v: lax.pmean(v, axis_name), out)
         # Each gradient laid out like its parameter over the automatic axes, so it leaves
         # this stage as stage 2 reads it (left to XLA, it was gathered whole over 'model').
-        specs = _leaf_specs(grads, param_specs, axis_name)
+        leaf_specs[:] = _leaf_specs(grads, call.specs, axis_name)
         grads = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(grads), [
-            _lay_out(g, spec, mesh) for g, spec in zip(jax.tree_util.tree_leaves(grads), specs)])
+            _lay_out(g, spec, mesh)
+            for g, spec in zip(jax.tree_util.tree_leaves(grads), leaf_specs)])
         stacked = jax.tree.map(lambda g: g[None], grads)
         # The modules' other state, agreed over the data axis by local_value_and_grad.
         states = {}
@@ -280,8 +319,10 @@ def _local_gradients(fun, mesh, axis_name, positions, graphs, has_aux, flat_args
     if _axis_type(mesh, axis_name) == AxisType.Explicit:  # shard_map wants them split
         flat_args = [arg if i in positions else jax.tree.map(
             lambda x: _split_rows(x, mesh, axis_name), arg) for i, arg in enumerate(flat_args)]
-    return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                         axis_names={axis_name})(*flat_args)
+    value, stacked, states = jax.shard_map(local, mesh=mesh, in_specs=in_specs,
+                                           out_specs=out_specs,
+                                           axis_names={axis_name})(*flat_args)
+    return value, stacked, states, leaf_specs
 
 
 def _lay_out(g, spec, mesh):
@@ -329,14 +370,14 @@ def _leaf_specs(grads, param_specs, axis_name) -> list:
             for (path, _), spec in zip(paths, treedef.flatten_up_to(specs))]
 
 
-def _compressed_mean(grads, residual, mesh, axis_name, policy, key, algorithm, backend,
-                     param_specs):
+def _compressed_mean(call: _Call, grads, residual, specs):
     """Stage 2: the compressed mean of the stacked local gradients (plus each participant's
     error-feedback residual, when there is one), manual over every mesh axis, so each device
-    encodes its own shard. Returns the mean and the new residual (``None`` without one)."""
+    encodes its own shard. ``specs``: every leaf's ``PartitionSpec`` (from stage 1). Returns
+    the mean and the new residual (``None`` without one)."""
+    mesh, axis_name, policy, key = call.mesh, call.axis_name, call.policy, call.key
     treedef = jax.tree_util.tree_structure(grads)
     leaves = jax.tree_util.tree_leaves(grads)
-    specs = _leaf_specs(grads, param_specs, axis_name)
     in_specs = [P(axis_name, *spec) for spec in specs]
     # The policy decides on each parameter's whole shape, as cgx.summary shows it, not on
     # the shard a device holds (a 4-way sharded matrix would otherwise fall under min_size).
@@ -378,7 +419,8 @@ def _compressed_mean(grads, residual, mesh, axis_name, policy, key, algorithm, b
                 group_key = jax.random.fold_in(jax.random.fold_in(key, number),
                                                lax.axis_index(shard_axes))
             out = reduce_tree([local[i] for i in members], axis_name, policy=policy,
-                              key=group_key, algorithm=algorithm, backend=backend, mean=True,
+                              key=group_key, algorithm=call.algorithm, backend=call.backend,
+                              mean=True,
                               local_error=bool(residual_in),
                               leaf_codecs=[codecs[i] for i in members])
             means, errors = out if residual_in else (out, None)
