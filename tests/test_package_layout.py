@@ -1,5 +1,6 @@
-"""The package's shape (docs/design.md section 1): no import cycle, no module reaching into
-another module's ``_private`` names, ``jax._src`` in one module only, and every design
+"""The package's shape (docs/design.md section 1): no import cycle, every module in the
+package map importing only modules listed above it, no module reaching into another
+module's ``_private`` names, ``jax._src`` and Flax each in one module only, and every design
 reference pointing at the document inside the repository."""
 
 import ast
@@ -61,6 +62,49 @@ def test_there_is_no_import_cycle():
     for name in MODULES:
         if name not in state:
             visit(name, [])
+
+
+def package_map() -> list[list[str]]:
+    """The rows of docs/design.md's package map, top to bottom: the files (``codec.py``) and
+    packages (``backends/``) each row names in its first cell."""
+    section = (ROOT / "docs" / "design.md").read_text().split("### The package map", 1)[1]
+    rows = []
+    for line in section.splitlines():
+        if line.startswith("| `"):
+            rows.append(re.findall(r"`([\w/.]+)`", line.split("|")[1]))
+        elif rows and not line.startswith("|"):
+            return rows
+    return rows
+
+
+def map_row(name: str, rows) -> int | None:
+    """The row of module ``name`` in the package map (``None`` for the package itself)."""
+    parts = name.split(".")[1:]
+    if not parts:
+        return None
+    entry = parts[0] + ("/" if (PACKAGE / parts[0]).is_dir() else ".py")
+    found = [i for i, row in enumerate(rows) if entry in row]
+    assert found, f"{name} ({entry}) is not in docs/design.md's package map"
+    return found[0]
+
+
+def test_modules_import_only_what_the_package_map_lists_above_them():
+    rows = package_map()
+    for name in MODULES:
+        row = map_row(name, rows)
+        for dep in package_dependencies(name):
+            dep_row = map_row(dep, rows)
+            assert row is None or dep_row is None or dep_row <= row, (
+                f"{name} imports {dep}, listed below it in docs/design.md's package map")
+
+
+def test_the_package_map_check_finds_an_upward_import(monkeypatch):
+    real = package_dependencies
+    monkeypatch.setitem(globals(), "package_dependencies",
+                        lambda name: real(name) | ({"cgx_jax.api"} if name == "cgx_jax.codec"
+                                                   else set()))
+    with pytest.raises(AssertionError, match="cgx_jax.codec imports cgx_jax.api"):
+        test_modules_import_only_what_the_package_map_lists_above_them()
 
 
 def test_the_cycle_check_finds_a_cycle(monkeypatch):
