@@ -45,8 +45,3 @@ def combine(kept, rest):
     ``rest``."""
     return jax.tree.map(lambda a, b: b if a is None else a, kept, rest,
                         is_leaf=lambda x: x is None)
-
-
-def has_leaves_besides(tree, keep) -> bool:
-    """Whether ``tree`` has a leaf that ``keep`` refuses."""
-    return not all(keep(leaf) for leaf in jax.tree_util.tree_leaves(tree))

@@ -42,16 +42,22 @@ def test_a_module_newer_than_jaxlib_is_refused_by_name(monkeypatch, running):
         ffi.check_ffi_api_version(module)
 
 
-def test_registration_checks_the_version_first(monkeypatch):
-    monkeypatch.setattr(ffi, "running_ffi_api_version", lambda: (0, 0))
+def assert_registration_refused(monkeypatch, message):
+    """Registering anew (with the monkeypatched versions) raises ``message``; the real
+    registration is restored after."""
     ffi._register.cache_clear()
     try:
-        with pytest.raises(RuntimeError, match="built against XLA FFI API"):
+        with pytest.raises(RuntimeError, match=message):
             ffi._register()
     finally:
         monkeypatch.undo()
         ffi._register.cache_clear()
         ffi._register()
+
+
+def test_registration_checks_the_version_first(monkeypatch):
+    monkeypatch.setattr(ffi, "running_ffi_api_version", lambda: (0, 0))
+    assert_registration_refused(monkeypatch, "built against XLA FFI API")
 
 
 def test_unreadable_headers_skip_the_check(monkeypatch, tmp_path):
@@ -95,14 +101,7 @@ def test_registration_on_a_gpu_refuses_a_cuda_module_of_another_major(monkeypatc
     monkeypatch.setattr(jax_compat, "jax_cuda_runtime_version", lambda: 12080)
     monkeypatch.setattr(ffi, "_jax_has_gpu", lambda: True)
     monkeypatch.setattr(ffi, "_import_cuda_module", lambda: _cuda_module(13000, 13000))
-    ffi._register.cache_clear()
-    try:
-        with pytest.raises(RuntimeError, match="built with CUDA 13.0, but JAX runs CUDA 12.8"):
-            ffi._register()
-    finally:
-        monkeypatch.undo()
-        ffi._register.cache_clear()
-        ffi._register()
+    assert_registration_refused(monkeypatch, "built with CUDA 13.0, but JAX runs CUDA 12.8")
 
 
 @pytest.mark.skipif(not ffi.has_cuda_support(), reason="this build has no CUDA module")
