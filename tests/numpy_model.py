@@ -221,6 +221,18 @@ def dequantize_rows(packets: np.ndarray, bits: int, bucket_size: int, n: int) ->
     return out.reshape(rows, n)
 
 
+def lost_rows(x2d: np.ndarray, packets: np.ndarray, bits: int, bucket_size: int,
+              skip_row: int = -1) -> np.ndarray:
+    """What quantizing x2d [rows, n] into ``packets`` lost: x - decoded in f32, 0 in row
+    ``skip_row`` (not encoded)."""
+    x2d = np.asarray(x2d, F32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        lost = x2d - dequantize_rows(packets, bits, bucket_size, x2d.shape[1])
+    if 0 <= skip_row < x2d.shape[0]:
+        lost[skip_row] = 0
+    return lost
+
+
 def reduce_requantize(peers: np.ndarray, own, own_index: int, seed, bits: int, bucket_size: int,
                       stochastic: bool, n: int):
     """Decodes the N packets ``peers [N, P]`` of one chunk, sums them in f32 in peer order

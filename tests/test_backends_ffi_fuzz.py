@@ -57,20 +57,25 @@ def test_quantize_matches_model_or_fails(codec, rows, buckets, length_delta, pac
     seed = np.arange(1, seed_len + 1, dtype=np.uint32)
     pbytes = model.packet_bytes(n, bits, bucket_size) if n % bucket_size == 0 else 0
     out = sds((rows, max(0, pbytes + packet_delta)), jnp.uint8)
+    lost_size = data.draw(st.sampled_from([0, 0, x.size, x.size, x.size + 1, max(0, x.size - 1)]))
+    outs = (out, sds((lost_size,), jnp.float32))
     skip_row = data.draw(st.sampled_from([-1, -1, 0, rows - 1, rows, 2**31 - 1]))
-    run = lambda: call("cgx_quantize", out, x, seed, np.int32(skip_row), bits=bits,
+    run = lambda: call("cgx_quantize", outs, x, seed, np.int32(skip_row), bits=bits,
                        bucket_size=bucket_size, stochastic=stochastic, n=n)
     consistent = (n % bucket_size == 0 and packet_delta == 0 and seed_len == 2 and
-                  (short < n or short == 0))
+                  (short < n or short == 0) and lost_size in (0, x.size))
     if not consistent:
         # XLA skips a custom call whose outputs are all empty; nothing can be written then.
-        if rows * out.shape[1] > 0:
+        if rows * out.shape[1] + lost_size > 0:
             assert raises(run)
         return
-    got = np.asarray(run())
+    got, lost = (np.asarray(a) for a in run())
     padded = np.concatenate([x, np.repeat(x[-1:], short)]).reshape(rows, n)
     want = model.quantize_rows(padded, seed, bits, bucket_size, stochastic, skip_row)
     np.testing.assert_array_equal(got, want)
+    if lost_size:
+        want_lost = model.lost_rows(padded, want, bits, bucket_size, skip_row)
+        np.testing.assert_array_equal(lost, want_lost.reshape(-1)[:x.size])
 
 
 @SETTINGS

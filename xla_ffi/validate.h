@@ -98,7 +98,7 @@ inline xla::ffi::Error check_quantize_args(int64_t bits, int64_t bucket_size, in
                                            int64_t x_count, int64_t seed_count,
                                            int64_t skip_row_count,
                                            xla::ffi::Span<const int64_t> packets_dims,
-                                           int64_t* rows) {
+                                           int64_t lost_count, int64_t* rows) {
   if (auto e = check_codec(bits, bucket_size); e.failure()) return e;
   if (auto e = check_multiple(n, bucket_size, "n"); e.failure()) return e;
   int64_t pbytes = 0;
@@ -110,6 +110,10 @@ inline xla::ffi::Error check_quantize_args(int64_t bits, int64_t bucket_size, in
                                             " values), got " + std::to_string(pbytes));
   if (auto e = check_rows_of(x_count, *rows, n, "x"); e.failure()) return e;
   if (auto e = check_count(seed_count, 2, "seed"); e.failure()) return e;
+  if (lost_count != 0 && lost_count != x_count)
+    return xla::ffi::Error::InvalidArgument("lost must hold as many values as x (" +
+                                            std::to_string(x_count) + ") or none, got " +
+                                            std::to_string(lost_count));
   return check_count(skip_row_count, 1, "skip_row");
 }
 
@@ -204,6 +208,7 @@ auto quantize_binding() {
       .template Arg<xla::ffi::Buffer<xla::ffi::U32>>()        // seed [2]
       .template Arg<xla::ffi::Buffer<xla::ffi::S32>>()        // skip_row []
       .template Ret<xla::ffi::Buffer<xla::ffi::U8>>()         // packets [rows, P]
+      .template Ret<xla::ffi::Buffer<xla::ffi::F32>>()        // lost: like x, or [0]
       .template Attr<int64_t>("bits")
       .template Attr<int64_t>("bucket_size")
       .template Attr<bool>("stochastic")

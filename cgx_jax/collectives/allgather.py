@@ -18,16 +18,13 @@ def allgather_reduce(bufs, lengths, axis_name, index, num_participants, seeds, c
 
     Returns the segments' f32 sums (each as long as its buffer, times ``f32(1/divisor)``) and,
     with ``local_error``, their errors (else None)."""
-    packets = [backend.quantize_rows(buf, s[0], codec, n=length)
+    encoded = [backend.quantize_rows(buf, s[0], codec, n=length, with_lost=local_error)
                for buf, s, codec, length in zip(bufs, seeds, codecs, lengths)]
+    packets = [e[0] for e in encoded] if local_error else encoded
     gathered = gather_packets(jnp.concatenate(packets, axis=1)[0], axis_name, num_participants)
     totals = [backend.reduce_requantize(gathered, None, index, s[1], codec, length,
                                         emit_packet=False, emit_sum=True, offset=offset,
                                         sum_size=buf.size, divisor=divisor)[1]
               for buf, s, codec, length, offset in zip(bufs, seeds, codecs, lengths,
                                                        column_offsets(packets))]
-    errors = None
-    if local_error:
-        errors = [buf - backend.dequantize_rows(p, codec, length, "float32", size=buf.size)
-                  for buf, p, codec, length in zip(bufs, packets, codecs, lengths)]
-    return totals, errors
+    return totals, ([e[1] for e in encoded] if local_error else None)

@@ -22,8 +22,12 @@ def scatter_reduce_allgather(bufs, lengths, axis_name, index, num_participants, 
     with ``local_error``, their errors (else None)."""
     n = num_participants
     chunks = [length // n for length in lengths]
-    packets = [backend.quantize_rows(buf, s[0], codec, skip_row=index, n=chunk)
+    # With local_error the kernel also writes what each value lost (0 in the own chunk,
+    # which is used raw), while the packet is in cache.
+    encoded = [backend.quantize_rows(buf, s[0], codec, skip_row=index, n=chunk,
+                                     with_lost=local_error)
                for buf, s, codec, chunk in zip(bufs, seeds, codecs, chunks)]
+    packets = [e[0] for e in encoded] if local_error else encoded
     offsets = column_offsets(packets)
     received = exchange_rows(jnp.concatenate(packets, axis=1), axis_name, index, n)
     # The kernels read the own chunk from the buffer (its row `index`) and each segment's
@@ -35,10 +39,4 @@ def scatter_reduce_allgather(bufs, lengths, axis_name, index, num_participants, 
     totals = [backend.dequantize_rows(gathered, codec, chunk, "float32", offset=offset,
                                       size=buf.size, divisor=divisor)
               for buf, codec, chunk, offset in zip(bufs, codecs, chunks, offsets)]
-    errors = None
-    if local_error:  # the own chunk is used raw, so it loses nothing
-        errors = []
-        for buf, p, codec, chunk in zip(bufs, packets, codecs, chunks):
-            lost = buf - backend.dequantize_rows(p, codec, chunk, "float32", size=buf.size)
-            errors.append(jnp.where(jnp.arange(buf.size) // chunk == index, 0.0, lost))
-    return totals, errors
+    return totals, ([e[1] for e in encoded] if local_error else None)
