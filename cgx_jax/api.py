@@ -1,12 +1,11 @@
 """Public entry points: ``compressed_psum``/``compressed_pmean`` over arrays and pytrees, and
 ``quantize``/``dequantize`` of single arrays (docs/design.md section 6).
 
-``reduce_tree`` composes the pieces: the policy picks a codec per leaf
-(``cgx_jax.policy``), leaves sharing a codec are fused into one group of segments
-(``cgx_jax.fusion``), the segments of all groups go through one compressed all-reduce
-(``cgx_jax.collectives``; the ring and the hierarchical reduction: one per group), each
-group with its own noise (``cgx_jax.seeds``), and the exact leaves go through one fused
-``lax.psum``.
+``reduce_leaves`` is the core every entry point shares: it checks the call, asks
+``cgx_jax.reduction`` for a plan (which leaves are exact, how the others are fused into
+segments), checks that the processes agree on it (``cgx_jax.consistency``) and runs it.
+``reduce_tree`` and ``reduce_tree_with_loss`` pick each leaf's codec first (``codec=`` or a
+``cgx_jax.policy.LayerPolicy``).
 """
 
 from __future__ import annotations
@@ -19,22 +18,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from cgx_jax import fusion, memory
 from cgx_jax.backends import BACKENDS, get_backend
 from cgx_jax.codec import Codec, packet_bytes, pad_to_multiple, padded_length
-from cgx_jax.collectives import (
-    ALGORITHMS,
-    Plan,
-    allreduce_segments,
-    axis_tuple,
-    num_phases,
-    padding_multiple,
-    resolve_algorithm,
-    segment_rows,
-)
-from cgx_jax.consistency import check_processes_agree, installed_version
-from cgx_jax.policy import LayerPolicy, is_compressible, path_name
-from cgx_jax.seeds import phase_seeds, rounding_seed, seed_bits
+from cgx_jax.collectives import ALGORITHMS, axis_tuple, resolve_algorithm
+from cgx_jax.consistency import check_processes_agree
+from cgx_jax.policy import LayerPolicy, check_policy, is_compressible, path_name
+from cgx_jax.reduction import plan_reduction, run_plan
+from cgx_jax.seeds import rounding_seed, seed_bits
 from cgx_jax.validation import check_choice, check_codec
 from cgx_jax.vma import check_local
 
@@ -127,137 +117,110 @@ def dequantize(packets, codec: Codec, shape, dtype=jnp.float32, *, backend: str 
 # compressed_psum / compressed_pmean
 # ---------------------------------------------------------------------------
 
-def reduce_tree(x, axis_name, *, codec=None, policy=None, key=None, algorithm="auto",
-                backend="ffi", mean=False, local_error=False, inner_axis_name=None,
-                leaf_codecs=None):
-    """The compressed all-reduce of a pytree (``compressed_psum``, or ``compressed_pmean``
-    with ``mean``); with ``local_error`` also the tree of what this participant's own
-    compression lost (f32 leaves of the input's shapes, zero where exact), for error
-    feedback. ``leaf_codecs``: the codecs ``policy`` chose per leaf (``tree_leaves`` order),
-    when it decided on other shapes than these (the whole parameter of a shard).
+def reduce_leaves(leaves, codecs, axis_name, *, key=None, algorithm="auto", backend="ffi",
+                  mean=False, inner_axis_name=None, with_loss=False, paths=None):
+    """The compressed all-reduce of ``leaves`` (a list of arrays), each with its codec in
+    ``codecs`` (None: exact, through one fused ``lax.psum``), over ``axis_name`` (and
+    ``inner_axis_name``) -> ``(reduced leaves, lost)``: ``lost`` (with ``with_loss``, for
+    error feedback) what this participant's own compression lost of each leaf (f32, zero for
+    exact leaves), else None. The core that ``compressed_psum``, ``compressed_allreduce`` and
+    ``value_and_grad`` share: checks the axes and leaves, plans
+    (``reduction.plan_reduction``), checks that the processes agree on the plan, runs it.
+    ``paths`` name the leaves in errors.
 
     Example:
         >>> import jax, jax.numpy as jnp, cgx_jax as cgx
-        >>> from cgx_jax.api import reduce_tree
         >>> codec = cgx.Codec(bits=8, bucket_size=64, rounding="nearest")
-        >>> f = jax.pmap(lambda g: reduce_tree(g, "i", codec=codec, local_error=True),
+        >>> f = jax.pmap(lambda g: reduce_leaves([g], [codec], "i", with_loss=True),
         ...              axis_name="i")
-        >>> total, lost = f({"w": jnp.ones((1, 64))})
-        >>> float(total["w"][0, 0]), float(lost["w"][0, 0])
+        >>> (total,), (lost,) = f(jnp.ones((1, 64)))
+        >>> float(total[0, 0]), float(lost[0, 0])
         (1.0, 0.0)
     """
     check_choice("algorithm", algorithm, ALGORITHMS)
     check_choice("backend", backend, BACKENDS)
+    num_participants = _axis_size(axis_name)
+    inner_size = 1 if inner_axis_name is None else _check_inner_axis(axis_name, inner_axis_name)
+    paths = [f"leaf {i}" for i in range(len(leaves))] if paths is None else list(paths)
+    leaves = [jnp.asarray(leaf) for leaf in leaves]
+    all_axes = (axis_name if inner_axis_name is None
+                else axis_tuple(axis_name) + axis_tuple(inner_axis_name))
+    check_local(leaves, all_axes, paths)
+    plan = plan_reduction(leaves, codecs, algorithm=resolve_algorithm(algorithm, num_participants),
+                          num_participants=num_participants, inner_size=inner_size, mean=mean)
+    stochastic = [paths[i] for s in plan.segments if s.codec.stochastic for i in s.leaves]
+    if stochastic and key is None:
+        raise ValueError(
+            "stochastic rounding needs a PRNG key: pass key=jax.random.key(...) (a fresh one "
+            "each step), use Codec(rounding='nearest'), or let cgx.compressed_allreduce (which "
+            "keeps and splits a key in its state) or cgx.value_and_grad(..., step=...) manage "
+            f"it; leaves rounded stochastically: {stochastic[:8]}")
+    if key is not None and plan.segments:
+        seed_bits(key)  # validates the key type before it is folded
+    check_processes_agree(plan.wire_settings())
+    return run_plan(plan, leaves, axis_name, key=key, backend=backend,
+                    inner_axis_name=inner_axis_name, with_loss=with_loss)
+
+
+def _tree_codecs(leaves, treedef, codec, policy) -> list:
+    """Each leaf's codec: ``codec`` for every floating leaf, or what ``policy`` (default
+    ``LayerPolicy()``) decides; warns when a policy compresses nothing."""
     if codec is not None and policy is not None:
         raise ValueError("pass codec= or policy=, not both")
     if codec is not None:
         check_codec(codec)
-    elif policy is None:
-        policy = LayerPolicy()
-    elif not isinstance(policy, LayerPolicy):
-        raise TypeError(f"policy must be a cgx_jax.LayerPolicy, got {type(policy).__name__}")
-    num_participants = _axis_size(axis_name)
-    inner_size = 1 if inner_axis_name is None else _check_inner_axis(axis_name, inner_axis_name)
-    algorithm = resolve_algorithm(algorithm, num_participants)
+        return [codec if is_compressible(leaf) else None for leaf in leaves]
+    policy = check_policy(policy)
+    codecs = policy.resolve_leaves(jax.tree_util.tree_unflatten(treedef, leaves))
+    if policy.default is not None and not any(
+            c is not None and leaf.size for c, leaf in zip(codecs, leaves)):
+        warn_nothing_compressed(policy, leaves)
+    return codecs
 
+
+def _reduce_tree(x, axis_name, *, codec, policy, with_loss, **settings):
     flat_with_paths, treedef = jax.tree_util.tree_flatten_with_path(x)
     leaves = [jnp.asarray(leaf) for _, leaf in flat_with_paths]
-    all_axes = (axis_name if inner_axis_name is None
-                else axis_tuple(axis_name) + axis_tuple(inner_axis_name))
-    check_local(leaves, all_axes, [path_name(p) for p, _ in flat_with_paths])
-    if codec is not None:
-        codecs = [codec if is_compressible(leaf) else None for leaf in leaves]
-    elif leaf_codecs is not None:
-        codecs = list(leaf_codecs)
-    else:
-        codecs = policy.resolve_leaves(jax.tree_util.tree_unflatten(treedef, leaves))
-    groups, exact = fusion.group_by_codec(leaves, codecs)
-    if groups:
-        memory.keep_freed_memory_on_cpu()  # reuse warm host pages step to step (memory.py)
-    elif codec is None and leaf_codecs is None and policy.default is not None:
-        warn_nothing_compressed(policy, leaves)
-
-    if any(c.stochastic for c in groups) and key is None:
-        paths = [path_name(p) for p, _ in flat_with_paths]
-        stochastic = [paths[i] for c, g in groups.items() if c.stochastic for i in g]
-        raise ValueError(
-            "stochastic rounding needs a PRNG key: pass key=jax.random.key(...) (a fresh one "
-            "each step) or use Codec(rounding='nearest'); leaves rounded stochastically: "
-            f"{stochastic[:8]}")
-    participant = None
-    if key is not None and groups:
-        seed_bits(key)  # validates the key type before it is folded
-        participant = lax.axis_index(axis_name)
-        if inner_axis_name is not None:  # one noise stream per device
-            participant = participant * inner_size + lax.axis_index(inner_axis_name)
-
-    out = list(leaves)
-    errors = [jnp.zeros(leaf.shape, jnp.float32) for leaf in leaves] if local_error else None
-    if exact:
-        reduce_exact = lax.pmean if mean else lax.psum
-        for i, value in zip(exact, fusion.reduce_exact(reduce_exact, [leaves[i] for i in exact],
-                                                       all_axes)):
-            out[i] = value
-    # Each codec group is split into segments with their own seeds. SRA and all-gather then
-    # carry the segments of all groups in one set of collectives (an adaptive policy's
-    # several bit widths add no latency); the ring and the hierarchical reduction reduce each
-    # group's one segment on its own.
-    rows = segment_rows(algorithm, num_participants, hierarchical=inner_axis_name is not None)
-    segments, codecs, bufs, lengths, seeds = [], [], [], [], []
-    for group_number, (group_codec, members) in enumerate(groups.items()):
-        multiple = inner_size * padding_multiple(algorithm, group_codec, num_participants)
-        group_segments = [[members[j] for j in segment] for segment in fusion.split_segments(
-            [leaves[i].size for i in members], multiple, rows)]
-        seeds.append(phase_seeds(key if group_codec.stochastic else None, group_number,
-                                 participant, len(group_segments),
-                                 num_phases(algorithm, num_participants)))
-        for segment in group_segments:
-            buf, length = fusion.pack([leaves[i] for i in segment], group_codec.bucket_size,
-                                      multiple, rows)
-            segments.append(segment)
-            codecs.append(group_codec)
-            bufs.append(buf)
-            lengths.append(length)
-    seeds = jnp.concatenate(seeds) if seeds else None
-    check_processes_agree(_wire_settings(leaves, exact, segments, codecs, bufs, algorithm,
-                                         num_participants, inner_size, mean))
-    batches = ([range(len(segments))] if rows is not None and segments
-               else [range(s, s + 1) for s in range(len(segments))])
-    for batch in batches:
-        plan = Plan(axis_name, tuple(codecs[s] for s in batch), algorithm, backend,
-                    num_participants, local_error, inner_axis_name,
-                    divisor=num_participants * inner_size if mean else 1)
-        totals, batch_errors = allreduce_segments(
-            [bufs[s] for s in batch], seeds[batch.start:batch.stop], plan,
-            tuple(lengths[s] for s in batch))
-        for s, total, error in zip(batch, totals, batch_errors):
-            shapes = [leaves[i].shape for i in segments[s]]
-            bucket_size = codecs[s].bucket_size
-            for i, value in zip(segments[s], fusion.unpack(total, shapes, bucket_size)):
-                out[i] = value.astype(leaves[i].dtype)
-            if local_error:
-                for i, lost in zip(segments[s], fusion.unpack(error, shapes, bucket_size)):
-                    errors[i] = lost
+    codecs = _tree_codecs(leaves, treedef, codec, policy)
+    out, lost = reduce_leaves(leaves, codecs, axis_name, with_loss=with_loss,
+                              paths=[path_name(p) for p, _ in flat_with_paths], **settings)
     result = jax.tree_util.tree_unflatten(treedef, out)
-    if local_error:
-        return result, jax.tree_util.tree_unflatten(treedef, errors)
-    return result
+    return (result, jax.tree_util.tree_unflatten(treedef, lost)) if with_loss else result
 
 
-def _wire_settings(leaves, exact, segments, codecs, bufs, algorithm, num_participants,
-                   inner_size, mean) -> dict:
-    """What shapes this all-reduce's traffic, for ``check_processes_agree``."""
-    return {
-        "cgx_jax version": installed_version(),
-        "algorithm": algorithm,
-        "participants (outer, inner)": [num_participants, inner_size],
-        "mean": mean,
-        "leaves": [f"{leaf.dtype}{list(leaf.shape)}" for leaf in leaves],
-        "exact leaves": [int(i) for i in exact],
-        "segments (codec, leaves, values)": [
-            [repr(codec), [int(i) for i in segment], int(buf.size)]
-            for codec, segment, buf in zip(codecs, segments, bufs)],
-    }
+def reduce_tree(x, axis_name, *, codec=None, policy=None, key=None, algorithm="auto",
+                backend="ffi", mean=False, inner_axis_name=None):
+    """The compressed all-reduce of a pytree (``compressed_psum``, or ``compressed_pmean``
+    with ``mean``): each leaf's codec from ``codec`` or ``policy``, then ``reduce_leaves``.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, cgx_jax as cgx
+        >>> codec = cgx.Codec(bits=8, bucket_size=64, rounding="nearest")
+        >>> f = jax.pmap(lambda g: reduce_tree(g, "i", codec=codec), axis_name="i")
+        >>> float(f({"w": jnp.ones((1, 64))})["w"][0, 0])
+        1.0
+    """
+    return _reduce_tree(x, axis_name, codec=codec, policy=policy, with_loss=False, key=key,
+                        algorithm=algorithm, backend=backend, mean=mean,
+                        inner_axis_name=inner_axis_name)
+
+
+def reduce_tree_with_loss(x, axis_name, *, codec=None, policy=None, key=None,
+                          algorithm="auto", backend="ffi", mean=False, inner_axis_name=None):
+    """``reduce_tree`` and the tree of what this participant's own compression lost (f32
+    leaves of the input's shapes, zero where exact): error feedback's next residual.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, cgx_jax as cgx
+        >>> codec = cgx.Codec(bits=8, bucket_size=64, rounding="nearest")
+        >>> f = jax.pmap(lambda g: reduce_tree_with_loss(g, "i", codec=codec), axis_name="i")
+        >>> total, lost = f({"w": jnp.ones((1, 64))})
+        >>> float(total["w"][0, 0]), float(lost["w"][0, 0])
+        (1.0, 0.0)
+    """
+    return _reduce_tree(x, axis_name, codec=codec, policy=policy, with_loss=True, key=key,
+                        algorithm=algorithm, backend=backend, mean=mean,
+                        inner_axis_name=inner_axis_name)
 
 
 def warn_nothing_compressed(policy: LayerPolicy, leaves) -> None:

@@ -33,9 +33,9 @@ from jax import lax
 from jax.sharding import AxisType, Mesh, PartitionSpec as P
 
 from cgx_jax import flax_compat
-from cgx_jax.api import reduce_tree, warn_nothing_compressed
+from cgx_jax.api import reduce_leaves, warn_nothing_compressed
 from cgx_jax.collectives.jax_compat import reshard
-from cgx_jax.policy import LayerPolicy
+from cgx_jax.policy import LayerPolicy, check_policy, leaf_paths
 from cgx_jax.trees import combine, is_array, is_differentiable, partition
 from cgx_jax.vma import local_value_and_grad
 
@@ -136,9 +136,7 @@ def value_and_grad(fun: Callable, *, mesh: Mesh, axis_name: str, argnums=0,
         >>> g.shape, float(value)
         ((256, 128), 65536.0)
     """
-    policy = LayerPolicy() if policy is None else policy
-    if not isinstance(policy, LayerPolicy):
-        raise TypeError(f"policy must be a cgx_jax.LayerPolicy, got {type(policy).__name__}")
+    policy = check_policy(policy)
     if axis_name not in mesh.axis_names:
         raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh, whose axes "
                          f"are {mesh.axis_names}")
@@ -378,6 +376,7 @@ def _compressed_mean(call: _Call, grads, residual, specs):
     mesh, axis_name, policy, key = call.mesh, call.axis_name, call.policy, call.key
     treedef = jax.tree_util.tree_structure(grads)
     leaves = jax.tree_util.tree_leaves(grads)
+    paths = leaf_paths(grads)
     in_specs = [P(axis_name, *spec) for spec in specs]
     # The policy decides on each parameter's whole shape, as cgx.summary shows it, not on
     # the shard a device holds (a 4-way sharded matrix would otherwise fall under min_size).
@@ -418,12 +417,10 @@ def _compressed_mean(call: _Call, grads, residual, specs):
             if key is not None and shard_axes:  # each distinct shard its own noise
                 group_key = jax.random.fold_in(jax.random.fold_in(key, number),
                                                lax.axis_index(shard_axes))
-            out = reduce_tree([local[i] for i in members], axis_name, policy=policy,
-                              key=group_key, algorithm=call.algorithm, backend=call.backend,
-                              mean=True,
-                              local_error=bool(residual_in),
-                              leaf_codecs=[codecs[i] for i in members])
-            means, errors = out if residual_in else (out, None)
+            means, errors = reduce_leaves(
+                [local[i] for i in members], [codecs[i] for i in members], axis_name,
+                key=group_key, algorithm=call.algorithm, backend=call.backend, mean=True,
+                with_loss=bool(residual_in), paths=[paths[i] for i in members])
             for j, i in enumerate(members):
                 reduced[i] = means[j]
                 lost[i] = None if errors is None else errors[j][None]

@@ -89,11 +89,26 @@ def split_segments(sizes, multiple: int, rows: int | None) -> list[list[int]]:
     return [[i] for i, size in enumerate(sizes) if alone(size)] + ([packed] if packed else [])
 
 
+def packed_size(sizes, bucket_size: int, multiple: int, rows: int | None) -> tuple[int, int]:
+    """``(values of the buffer, length the algorithm sees)`` that ``pack`` makes of leaves of
+    ``sizes`` values: one leaf that ``fits_short_row`` is read in place (the kernels pad its
+    short last row), anything else is packed bucket-aligned and padded to ``multiple``.
+
+    Example:
+        >>> packed_size([4000], 64, 4096, rows=4), packed_size([10, 100], 64, 256, rows=4)
+        ((4000, 4096), (256, 256))
+    """
+    if len(sizes) == 1 and fits_short_row(sizes[0], multiple, rows):
+        return sizes[0], padded_length(sizes[0], multiple)
+    total = padded_length(sum(padded_length(size, bucket_size) for size in sizes), multiple)
+    return total, total
+
+
 def pack(leaves, bucket_size: int, multiple: int, rows: int | None = None):
-    """One f32 buffer and the length the algorithm sees (a multiple of ``multiple``). One
-    leaf that ``fits_short_row`` is the buffer itself, flattened (a reshape for f32), its
-    padding left to the kernels. Otherwise each leaf is flattened and padded to whole buckets
-    of ``bucket_size``, the pieces concatenated and the whole padded to a multiple of
+    """One f32 buffer and the length the algorithm sees (``packed_size``). One leaf that
+    ``fits_short_row`` is the buffer itself, flattened (a reshape for f32), its padding left
+    to the kernels. Otherwise each leaf is flattened and padded to whole buckets of
+    ``bucket_size``, the pieces concatenated and the whole padded to a multiple of
     ``multiple`` (padding repeats the last value, see ``codec.pad_to_multiple``)."""
     if len(leaves) == 1 and fits_short_row(leaves[0].size, multiple, rows):
         return (leaves[0].reshape(-1).astype(jnp.float32),

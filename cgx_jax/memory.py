@@ -17,13 +17,13 @@ steps ran 2x slower with it. So the arena limit is applied only by
 ``cgx_jax.launch.initialize`` (which runs before JAX starts) in a process with one CPU
 device, the data-parallel layout across processes, where it measured faster.
 
-The library applies the thresholds itself, once per process: when a compressed collective
-is traced on the CPU backend, and in ``launch.initialize``. It only changes where blocks
-come from and when freed memory goes back to the system: the peak stays what the program
-needs, and the process keeps up to ``threshold`` bytes of freed blocks instead of unmapping
-them. Set the environment variable ``CGX_JAX_KEEP_FREED_MEMORY=0`` to keep glibc's
-defaults. Nothing happens off Linux/glibc or on GPU and TPU backends, whose large buffers
-are not host ``malloc`` blocks.
+The library applies the thresholds itself, once per process: when its kernels are first
+registered on the CPU backend (``backends/ffi.py``), and in ``launch.initialize``. It only
+changes where blocks come from and when freed memory goes back to the system: the peak
+stays what the program needs, and the process keeps up to ``threshold`` bytes of freed
+blocks instead of unmapping them. Set the environment variable
+``CGX_JAX_KEEP_FREED_MEMORY=0`` to keep glibc's defaults. Nothing happens off Linux/glibc or
+on GPU and TPU backends, whose large buffers are not host ``malloc`` blocks.
 """
 
 from __future__ import annotations

@@ -20,9 +20,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from cgx_jax import flax_compat
 from cgx_jax.adaptive import schedule
-from cgx_jax.api import reduce_tree
+from cgx_jax.api import reduce_tree, reduce_tree_with_loss
 from cgx_jax.collectives import axis_tuple
-from cgx_jax.policy import LayerPolicy, leaf_paths
+from cgx_jax.policy import LayerPolicy, check_policy, leaf_paths
 from cgx_jax.vma import check_local
 
 
@@ -91,9 +91,7 @@ def compressed_allreduce(axis_name, *, policy: LayerPolicy | None = None, mean: 
         >>> new["w"].shape
         (1, 128, 128)
     """
-    policy = LayerPolicy() if policy is None else policy
-    if not isinstance(policy, LayerPolicy):
-        raise TypeError(f"policy must be a cgx_jax.LayerPolicy, got {type(policy).__name__}")
+    policy = check_policy(policy)
     if adaptive is not None and not isinstance(adaptive, schedule.AdaptiveConfig):
         raise TypeError(f"adaptive must be a cgx_jax.AdaptiveConfig or None, got "
                         f"{type(adaptive).__name__}")
@@ -117,12 +115,12 @@ def compressed_allreduce(axis_name, *, policy: LayerPolicy | None = None, mean: 
                 state.residual)
         stats = (None if adaptive is None else schedule.update_adaptive_state(
             state.adaptive, updates, axis_name, adaptive, policy))
-        result = reduce_tree(updates, axis_name, policy=policy, key=step_key,
-                             algorithm=algorithm, backend=backend, mean=mean,
-                             local_error=error_feedback)
+        settings = dict(policy=policy, key=step_key, algorithm=algorithm, backend=backend,
+                        mean=mean)
         if not error_feedback:
-            return result, CompressedAllReduceState(key, None, stats)
-        reduced, lost = result
+            return reduce_tree(updates, axis_name, **settings), CompressedAllReduceState(
+                key, None, stats)
+        reduced, lost = reduce_tree_with_loss(updates, axis_name, **settings)
         residual = jax.tree.map(lambda r: r[None], lost)
         return reduced, CompressedAllReduceState(key, residual, stats)
 

@@ -146,6 +146,21 @@ class LayerPolicy:
         return jax.tree_util.tree_unflatten(treedef, self.resolve_leaves(tree))
 
 
+def check_policy(policy, name: str = "policy") -> LayerPolicy:
+    """``policy``, or ``LayerPolicy()`` for None; ``TypeError`` naming ``name`` for anything
+    but a ``LayerPolicy``.
+
+    Example:
+        >>> check_policy(None).min_ndim
+        2
+    """
+    if policy is None:
+        return LayerPolicy()
+    if not isinstance(policy, LayerPolicy):
+        raise TypeError(f"{name} must be a cgx_jax.LayerPolicy, got {type(policy).__name__}")
+    return policy
+
+
 def leaf_wire_bytes(codec: Codec | None, leaf) -> int:
     """Bytes one participant sends for ``leaf``: its packet padded to whole buckets (as in the
     fused buffer) under ``codec``, its own dtype's size when exact (``codec`` None)."""

@@ -17,7 +17,7 @@ from helpers import cpu_mesh, run_sharded
 
 import cgx_jax as cgx
 from cgx_jax import fusion
-from cgx_jax.api import reduce_tree
+from cgx_jax.api import reduce_tree_with_loss
 from cgx_jax.fusion import OWN_SEGMENT_MIN_VALUES, fits_short_row, split_segments
 
 NOTHING_COMPRESSED = "no leaf is compressed"  # the default policy keeps these trees exact
@@ -126,7 +126,7 @@ def model_tree(num_devices):
 def test_segments_match_numpy_reference_bitwise(algorithm, num_devices, segments):
     stacked = model_tree(num_devices)
     got, lost = run_sharded(
-        lambda t: reduce_tree(t, "batch", policy=POLICY, algorithm=algorithm, local_error=True),
+        lambda t: reduce_tree_with_loss(t, "batch", policy=POLICY, algorithm=algorithm),
         jax.tree.map(jnp.asarray, stacked), num_devices)
     want = reference_tree(stacked, algorithm, segments)
     for name, (value, errors) in want.items():

@@ -213,3 +213,39 @@ def test_an_equinox_model_works_as_it_is(cpu_devices):
     weight, expected = np.asarray(grads.layers[1].weight), np.asarray(want.layers[1].weight)
     assert not np.array_equal(weight, expected)  # compressed...
     assert np.linalg.norm(weight - expected) < 0.05 * np.linalg.norm(expected)  # ...8 bits
+
+
+def test_nnx_module_gradients_have_the_type_nnx_value_and_grad_gives(cpu_devices):
+    """An NNX module with Dropout, BatchNorm and an nnx.List: the gradient is what
+    nnx.value_and_grad (the call NNX users replace) returns, an nnx.State of the module's
+    Params with the same structure and attribute access (grads.layers[0].kernel). The
+    Module type jax.value_and_grad would give is not on offer: jax.grad refuses such a
+    module (its RNG counts are integers)."""
+    nnx = pytest.importorskip("flax.nnx")
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.layers = nnx.List([nnx.Linear(16, 32, rngs=rngs), nnx.Linear(32, 4, rngs=rngs)])
+            self.norm = nnx.BatchNorm(32, use_running_average=True, rngs=rngs)
+            self.drop = nnx.Dropout(0.0, rngs=rngs)
+
+        def __call__(self, x):
+            return self.layers[1](self.drop(self.norm(self.layers[0](x))))
+
+    def loss(model, x):
+        return jnp.mean(model(x) ** 2)
+
+    mesh = jax.make_mesh((8,), ("batch",), devices=cpu_devices[:8])
+    model, x = Net(nnx.Rngs(0)), jax.random.normal(jax.random.key(1), (16, 16))
+    with pytest.raises(TypeError, match="grad requires real- or complex-valued inputs"):
+        jax.grad(loss)(model, x)
+    want_value, want = nnx.value_and_grad(loss)(model, x)
+    grad_fn = cgx.value_and_grad(loss, mesh=mesh, axis_name="batch", policy=EXACT)
+    with jax.set_mesh(mesh):
+        value, grads = nnx.jit(grad_fn)(model, x)
+    assert type(grads) is type(want)
+    assert jax.tree.structure(grads) == jax.tree.structure(want)
+    assert grads.layers[0].kernel.shape == (16, 32)
+    np.testing.assert_allclose(float(value), float(want_value), rtol=1e-6)
+    for got, expected in zip(jax.tree.leaves(grads), jax.tree.leaves(want)):
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-7)

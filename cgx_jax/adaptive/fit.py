@@ -34,7 +34,7 @@ from cgx_jax.adaptive.measure import (
     layer_errors,
 )
 from cgx_jax.codec import META_BYTES_PER_BUCKET, Codec, padded_length
-from cgx_jax.policy import LayerPolicy
+from cgx_jax.policy import LayerPolicy, check_policy
 from cgx_jax.validation import check_choice
 
 DEFAULT_CELLS = 2000
@@ -132,8 +132,7 @@ def fit_policy(grads_or_table, *, budget_bits: float = 4.0, choices=None, bucket
     check_choice("objective", objective, OBJECTIVES)
     if isinstance(cells, bool) or not isinstance(cells, numbers.Integral) or cells < 1:
         raise ValueError(f"cells must be a positive int, got {cells!r}")
-    if not isinstance(base, LayerPolicy):
-        raise TypeError(f"base must be a cgx_jax.LayerPolicy, got {type(base).__name__}")
+    check_policy(base, "base")
     if isinstance(grads_or_table, ErrorTable):
         table = _select(grads_or_table, choices, bucket_size)
     else:

@@ -13,7 +13,7 @@ import numpy as np
 
 from cgx_jax.backends import get_backend
 from cgx_jax.codec import Codec, pad_to_multiple, wire_bytes
-from cgx_jax.policy import LayerPolicy, path_name
+from cgx_jax.policy import LayerPolicy, check_policy, path_name
 
 DEFAULT_CHOICES = (2, 3, 4, 5, 6, 8)
 DEFAULT_BUCKET_SIZE = 1024
@@ -130,8 +130,7 @@ def layer_errors(grads, choices=DEFAULT_CHOICES, bucket_size: int = DEFAULT_BUCK
     choices = check_choices(choices)
     codecs = {b: Codec(bits=b, bucket_size=bucket_size, rounding="nearest") for b in choices}
     implementation = get_backend(backend)
-    if not isinstance(base, LayerPolicy):
-        raise TypeError(f"base must be a cgx_jax.LayerPolicy, got {type(base).__name__}")
+    check_policy(base, "base")
     flat = jax.tree_util.tree_flatten_with_path(grads)[0]
     resolved = base.resolve_leaves(grads)
     paths, sizes, errors, nbytes = [], [], [], []

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cgx_jax.codec import Codec, packet_bytes
+from cgx_jax.memory import keep_freed_memory_on_cpu
 
 TARGETS = ("cgx_quantize", "cgx_dequantize", "cgx_reduce_requantize")
 
@@ -109,8 +110,12 @@ def check_cuda_versions(module) -> None:
 
 @functools.cache
 def _register() -> None:
-    """Registers the targets once, on first use: "cpu" always, "CUDA" when JAX has a GPU."""
+    """Registers the targets once, on first use: "cpu" always, "CUDA" when JAX has a GPU.
+    On the CPU backend it also keeps freed host memory for reuse (``cgx_jax.memory``): the
+    library's one process-wide setting, made where its kernels are first set up."""
     from cgx_jax import _cgx_cpu
+
+    keep_freed_memory_on_cpu()
 
     check_ffi_api_version(_cgx_cpu)
     for name, capsule in _cgx_cpu.registrations().items():
