@@ -16,44 +16,17 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
+from cgx_jax.axes import axis_size, axis_tuple, inner_axis_size
 from cgx_jax.backends import BACKENDS, get_backend
 from cgx_jax.codec import Codec, packet_bytes, pad_to_multiple, padded_length
-from cgx_jax.collectives import ALGORITHMS, axis_tuple, resolve_algorithm
+from cgx_jax.collectives import ALGORITHMS, resolve_algorithm
 from cgx_jax.consistency import check_processes_agree
 from cgx_jax.policy import LayerPolicy, check_policy, is_compressible, path_name
 from cgx_jax.reduction import plan_reduction, run_plan
 from cgx_jax.seeds import rounding_seed, seed_bits
 from cgx_jax.validation import check_choice, check_codec
 from cgx_jax.vma import check_local
-
-# ---------------------------------------------------------------------------
-# Axes
-# ---------------------------------------------------------------------------
-
-def _axis_size(axis_name, argument: str = "axis_name") -> int:
-    try:
-        return lax.axis_size(axis_name)
-    except NameError as err:
-        raise ValueError(
-            f"{argument} {axis_name!r} is not bound here: call compressed_psum inside "
-            f"jax.pmap(..., axis_name=...) or jax.shard_map over a mesh with that axis ({err}). "
-            f"Under plain jax.jit with sharded arrays XLA reduces gradients itself: wrap the "
-            f"gradient and update in jax.shard_map (the README's 'Use' section)"
-        ) from None
-
-
-def _check_inner_axis(axis_name, inner_axis_name) -> int:
-    """The size of the inner axis; ValueError when it is unbound or overlaps ``axis_name``."""
-    shared = set(axis_tuple(axis_name)) & set(axis_tuple(inner_axis_name))
-    if shared:
-        raise ValueError(
-            f"inner_axis_name {inner_axis_name!r} must differ from axis_name {axis_name!r} "
-            f"(both name {sorted(map(str, shared))}): the inner axis is reduced exactly and "
-            f"the outer one compressed, each device belongs to one of each")
-    return _axis_size(inner_axis_name, "inner_axis_name")
-
 
 # ---------------------------------------------------------------------------
 # quantize / dequantize of one array
@@ -139,8 +112,8 @@ def reduce_leaves(leaves, codecs, axis_name, *, key=None, algorithm="auto", back
     """
     check_choice("algorithm", algorithm, ALGORITHMS)
     check_choice("backend", backend, BACKENDS)
-    num_participants = _axis_size(axis_name)
-    inner_size = 1 if inner_axis_name is None else _check_inner_axis(axis_name, inner_axis_name)
+    num_participants = axis_size(axis_name)
+    inner_size = 1 if inner_axis_name is None else inner_axis_size(axis_name, inner_axis_name)
     paths = [f"leaf {i}" for i in range(len(leaves))] if paths is None else list(paths)
     leaves = [jnp.asarray(leaf) for leaf in leaves]
     all_axes = (axis_name if inner_axis_name is None

@@ -21,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from cgx_jax import flax_compat
 from cgx_jax.adaptive import schedule
 from cgx_jax.api import reduce_tree, reduce_tree_with_loss
-from cgx_jax.collectives import axis_tuple
+from cgx_jax.axes import axis_tuple
 from cgx_jax.policy import LayerPolicy, check_policy, leaf_paths
 from cgx_jax.vma import check_local
 

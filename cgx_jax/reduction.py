@@ -18,11 +18,11 @@ import jax.numpy as jnp
 from jax import lax
 
 from cgx_jax import fusion
+from cgx_jax.axes import axis_tuple
 from cgx_jax.codec import Codec
 from cgx_jax.collectives import (
     Plan,
     allreduce_segments,
-    axis_tuple,
     num_phases,
     padding_multiple,
     segment_rows,

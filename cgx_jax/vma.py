@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from cgx_jax import flax_compat
-from cgx_jax.collectives import axis_tuple
+from cgx_jax.axes import axis_tuple
 
 
 def varying_axes(value) -> frozenset:

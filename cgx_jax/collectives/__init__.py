@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from cgx_jax.axes import axis_tuple
 from cgx_jax.backends import get_backend
 from cgx_jax.codec import Codec
 from cgx_jax.collectives.allgather import allgather_reduce
@@ -31,12 +32,46 @@ from cgx_jax.collectives.hierarchical import hierarchical_reduce
 from cgx_jax.collectives.ring import ring_reduce
 from cgx_jax.collectives.sra import scatter_reduce_allgather
 
-ALGORITHMS = ("sra", "allgather", "ring", "auto")
+
+def _ring_segments(bufs, lengths, axis_name, index, num_participants, seeds, codecs, backend,
+                   local_error=False, divisor=1):
+    """The ring in the segments' calling convention; it takes one segment."""
+    del lengths  # the ring's one buffer is padded whole
+    (buf,), (seeds,), (codec,) = bufs, seeds, codecs
+    total, error = ring_reduce(buf, axis_name, index, num_participants, seeds, codec, backend,
+                               local_error=local_error, divisor=divisor)
+    return [total], (None if error is None else [error])
 
 
-def axis_tuple(axis_name) -> tuple:
-    """``axis_name`` (a name or a tuple/list of names) as a tuple of names."""
-    return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+@dataclasses.dataclass(frozen=True)
+class Algorithm:
+    """How one flat algorithm lays out and reduces its segments.
+
+    ``chunked``: it splits a segment into one whole-bucket chunk per participant (SRA, the
+    ring), so segments pad to ``bucket_size * N``; else to ``bucket_size``. ``rows(N)``: the
+    rows the kernels view each segment as when several segments of any codecs share one set
+    of collectives (SRA N chunks, all-gather one packet), or None when it takes one padded
+    buffer per codec. ``phases(N)``: the seed pairs it consumes (one per quantization). ``run``
+    takes ``(bufs, lengths, axis_name, index, N, seeds, codecs, backend, local_error=,
+    divisor=)`` and returns ``(sums, errors or None)``, one per segment.
+    """
+
+    chunked: bool
+    rows: Callable[[int], int | None]
+    phases: Callable[[int], int]
+    run: Callable
+
+
+REGISTRY = {
+    "sra": Algorithm(chunked=True, rows=lambda n: n, phases=lambda n: 2,
+                     run=scatter_reduce_allgather),
+    "allgather": Algorithm(chunked=False, rows=lambda n: 1, phases=lambda n: 2,
+                           run=allgather_reduce),
+    # The ring encodes N times: the raw chunk, then the partial sum after each of N-1 hops.
+    "ring": Algorithm(chunked=True, rows=lambda n: None, phases=lambda n: max(n, 2),
+                      run=_ring_segments),
+}
+ALGORITHMS = (*REGISTRY, "auto")
 
 
 def resolve_algorithm(algorithm: str, num_participants: int) -> str:
@@ -57,19 +92,25 @@ def resolve_algorithm(algorithm: str, num_participants: int) -> str:
 
 
 def num_phases(algorithm: str, num_participants: int) -> int:
-    """How many seed pairs an algorithm consumes: the ring encodes N times (the raw chunk,
-    then the partial sum after each of the N-1 hops); SRA and all-gather take two."""
-    if algorithm == "ring":
-        return max(num_participants, 2)
-    return 2
+    """How many seed pairs a (resolved) algorithm consumes.
+
+    Example:
+        >>> num_phases("sra", 8), num_phases("ring", 8)
+        (2, 8)
+    """
+    return REGISTRY[algorithm].phases(num_participants)
 
 
 def padding_multiple(algorithm: str, codec: Codec, num_participants: int) -> int:
-    """SRA and the ring split the buffer into one whole-bucket chunk per participant;
-    all-gather does not."""
-    if algorithm in ("sra", "ring"):
-        return codec.bucket_size * num_participants
-    return codec.bucket_size
+    """What a (resolved) algorithm's segments are padded to: whole buckets, one chunk per
+    participant for SRA and the ring.
+
+    Example:
+        >>> padding_multiple("sra", Codec(bucket_size=64), 4)
+        256
+    """
+    chunks = num_participants if REGISTRY[algorithm].chunked else 1
+    return codec.bucket_size * chunks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,24 +150,15 @@ def segment_rows(algorithm: str, num_participants: int, hierarchical: bool) -> i
         >>> segment_rows("sra", 4, hierarchical=False), segment_rows("ring", 4, False)
         (4, None)
     """
-    if hierarchical or algorithm not in ("sra", "allgather"):
-        return None
-    return num_participants if algorithm == "sra" else 1
+    return None if hierarchical else REGISTRY[algorithm].rows(num_participants)
 
 
 def _reduce_flat(bufs, lengths, seeds, plan: Plan, index):
     """The plan's flat algorithm over ``plan.axis_name`` -> (sums, errors or None), one per
-    segment. The ring takes a single segment."""
-    backend = get_backend(plan.backend)
-    args = (plan.axis_name, index, plan.num_participants)
-    if plan.algorithm in ("sra", "allgather"):
-        algorithm = scatter_reduce_allgather if plan.algorithm == "sra" else allgather_reduce
-        return algorithm(bufs, lengths, *args, seeds, plan.codecs, backend,
-                         local_error=plan.local_error, divisor=plan.divisor)
-    (buf,), (seeds,), (codec,) = bufs, seeds, plan.codecs
-    total, error = ring_reduce(buf, *args, seeds, codec, backend,
-                               local_error=plan.local_error, divisor=plan.divisor)
-    return [total], (None if error is None else [error])
+    segment."""
+    return REGISTRY[plan.algorithm].run(
+        bufs, lengths, plan.axis_name, index, plan.num_participants, seeds, plan.codecs,
+        get_backend(plan.backend), local_error=plan.local_error, divisor=plan.divisor)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3))
