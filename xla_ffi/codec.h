@@ -158,12 +158,17 @@ CGX_HD void store_from_float(uint16_t* p, int64_t i, float v, F16) { p[i] = floa
 // so the jnp backend reproduces it exactly.
 // ---------------------------------------------------------------------------
 
-// The "lowbias32" integer mixer (public-domain constants by C. Wellons).
+// The "lowbias32" integer mixer (public-domain constants by C. Wellons). The CPU's SSE2 lanes
+// (cpu/bucket_loops_sse2.inc) compute the same steps with these constants.
+constexpr uint32_t kMixFactor1 = 0x7FEB352Du;
+constexpr uint32_t kMixFactor2 = 0x846CA68Bu;
+constexpr float kUniformUnit = 5.9604644775390625e-8f;  // 2^-24: 24 random bits -> [0, 1)
+
 CGX_HD uint32_t mix32(uint32_t x) {
   x ^= x >> 16;
-  x *= 0x7FEB352Du;
+  x *= kMixFactor1;
   x ^= x >> 15;
-  x *= 0x846CA68Bu;
+  x *= kMixFactor2;
   x ^= x >> 16;
   return x;
 }
@@ -174,7 +179,7 @@ CGX_HD uint32_t mix32(uint32_t x) {
 // neighbours. (A second round cost a quarter of a 4-bit quantize on CPU.)
 CGX_HD float uniform01(uint32_t seed0, uint32_t seed1, uint32_t counter) {
   const uint32_t h = mix32((counter ^ seed0) + seed1);
-  return static_cast<float>(static_cast<int32_t>(h >> 8)) * 5.9604644775390625e-8f;
+  return static_cast<float>(static_cast<int32_t>(h >> 8)) * kUniformUnit;
 }
 
 // ---------------------------------------------------------------------------
@@ -212,14 +217,18 @@ CGX_HD BucketScale make_scale(float mn, float mx, bool finite, int bits) {
   return s;
 }
 
-// floor(t) clamped to [0, top]. A NaN t (0 * inf when the unit is a tiny subnormal) gives
-// level 0: `t > 0` is false for NaN. Written as two selects (max, then min) so the CPU
-// loops vectorize into plain max/min instructions.
+// t clamped to [0, top], for a float or a vector of floats (the CPU's SSE2 lanes). A NaN t
+// (0 * inf when the unit is a tiny subnormal) gives 0: `t > 0` is false for NaN. Written as
+// two selects (max, then min) so the CPU loops vectorize into plain max/min instructions.
+template <typename F>
+CGX_HD F clamp_level(F t, F top) {
+  t = t > F{} ? t : F{};
+  return t < top ? t : top;
+}
+
+// floor(t) clamped to [0, top] (the truncation is the floor of the clamped, non-negative t).
 CGX_HD uint32_t level_of(float t, uint32_t top) {
-  const float top_f = static_cast<float>(top);
-  float clamped = t > 0.0f ? t : 0.0f;
-  clamped = clamped < top_f ? clamped : top_f;
-  return static_cast<uint32_t>(static_cast<int32_t>(clamped));
+  return static_cast<uint32_t>(static_cast<int32_t>(clamp_level(t, static_cast<float>(top))));
 }
 
 // (x - min) * inv for a bucket whose range max - min is finite (then x - min is too).

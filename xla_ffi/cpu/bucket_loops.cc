@@ -195,32 +195,26 @@ void pack_bucket(const uint8_t* __restrict levels, int64_t size, uint8_t* __rest
   }
 }
 
+// Group g of a bucket's codes -> its eight levels, one per byte. kLoad bytes are read: a
+// whole power-of-two group, or 8 bytes for other widths (unpack_group ignores the next
+// group's bits) except for the last group, whose 8 bytes would reach past the codes.
+template <int kBits, int kLoad>
+void unpack_one_group(const uint8_t* __restrict codes, int64_t g, uint8_t* __restrict levels) {
+  Word<kLoad> in = 0;
+  memcpy(&in, codes + g * kBits, kLoad);
+  const uint64_t word = unpack_group<kBits>(in);
+  memcpy(levels + 8 * g, &word, 8);
+}
+
 template <int kBits>
 void unpack_bucket(const uint8_t* __restrict codes, int64_t size, uint8_t* __restrict levels) {
   const int64_t groups = size / 8;
-  int64_t g = 0;
   if constexpr (is_power_of_two(kBits)) {
-    for (; g < groups; ++g) {
-      Word<kBits> in;
-      memcpy(&in, codes + g * kBits, kBits);
-      const uint64_t word = unpack_group<kBits>(in);
-      memcpy(levels + 8 * g, &word, 8);
-    }
+    for (int64_t g = 0; g < groups; ++g) unpack_one_group<kBits, kBits>(codes, g, levels);
   } else {
-    // An 8-byte load per group (unpack_group ignores the next group's bits), except for the
-    // last group, whose 8 bytes would reach past the bucket's codes.
-    for (; g + 1 < groups; ++g) {
-      uint64_t in;
-      memcpy(&in, codes + g * kBits, 8);
-      const uint64_t word = unpack_group<kBits>(in);
-      memcpy(levels + 8 * g, &word, 8);
-    }
-    for (; g < groups; ++g) {
-      uint64_t in = 0;
-      memcpy(&in, codes + g * kBits, kBits);
-      const uint64_t word = unpack_group<kBits>(in);
-      memcpy(levels + 8 * g, &word, 8);
-    }
+    int64_t g = 0;
+    for (; g + 1 < groups; ++g) unpack_one_group<kBits, 8>(codes, g, levels);
+    for (; g < groups; ++g) unpack_one_group<kBits, kBits>(codes, g, levels);
   }
 }
 
@@ -255,65 +249,7 @@ void unpack_levels(int bits, const uint8_t* codes, int64_t size, uint8_t* levels
 // ---------------------------------------------------------------------------
 
 #if defined(__SSE2__) && !defined(__AVX2__)
-// ---------------------------------------------------------------------------
-// The generic variant on x86-64 (SSE2 only) spells the in-range loop out in vectors: the
-// compiler's own vectorization of the loop above spends three shuffles per 32-bit product
-// (SSE2 has none) putting the lanes back in order and a dozen to narrow levels to bytes.
-// Same operations, same bytes (tests/cpu_loops); compute_levels below takes it.
-// ---------------------------------------------------------------------------
-
-// One shufps leaves the products in lane order 0, 2, 1, 3. The hash multiplies twice,
-// with lane-wise operations only in between, so the second product restores the order.
-Uints multiply_swapping_middle_lanes(Uints x, uint32_t factor) {
-  const __m128i k = _mm_set1_epi32(static_cast<int>(factor));
-  const __m128i v = reinterpret_cast<const __m128i&>(x);
-  const __m128i even = _mm_mul_epu32(v, k);                     // lanes 0 and 2, 64-bit
-  const __m128i odd = _mm_mul_epu32(_mm_srli_epi64(v, 32), k);  // lanes 1 and 3
-  const __m128 low = _mm_shuffle_ps(_mm_castsi128_ps(even), _mm_castsi128_ps(odd),
-                                    _MM_SHUFFLE(2, 0, 2, 0));
-  return reinterpret_cast<const Uints&>(low);
-}
-
-// uniform01 of four consecutive counters (codec.h, the same integer operations).
-Floats uniform01_lanes(uint32_t seed0, uint32_t seed1, Uints counters) {
-  Uints h = (counters ^ seed0) + seed1;
-  h ^= h >> 16;
-  h = multiply_swapping_middle_lanes(h, 0x7FEB352Du);
-  h ^= h >> 15;
-  h = multiply_swapping_middle_lanes(h, 0x846CA68Bu);
-  h ^= h >> 16;
-  h >>= 8;
-  return __builtin_convertvector(reinterpret_cast<const Ints&>(h), Floats) *
-         5.9604644775390625e-8f;
-}
-
-// level_of((x - min) * inv + u, top) of four values.
-Ints levels_of(Floats x, Floats u, Floats min, Floats inv, Floats top) {
-  Floats t = (x - min) * inv + u;  // separately rounded: -ffp-contract=off
-  t = t > Floats{} ? t : Floats{};  // NaN -> 0
-  t = t < top ? t : top;
-  return __builtin_convertvector(t, Ints);
-}
-
-template <bool kStochastic, typename Tag>
-void compute_levels_in_range(const typename Tag::storage* __restrict x, int64_t size,
-                             const BucketScale s, const CodecParams& p, uint32_t counter,
-                             uint8_t* __restrict levels) {
-  const Floats min = Floats{} + s.min, inv = Floats{} + s.inv;
-  const Floats top = Floats{} + static_cast<float>(max_level(p.bits)), half = Floats{} + 0.5f;
-  Uints counters = Uints{0, 1, 2, 3} + counter;
-  for (int64_t j = 0; j < size; j += 8) {
-    const Floats u0 = kStochastic ? uniform01_lanes(p.seed0, p.seed1, counters) : half;
-    const Floats u1 = kStochastic ? uniform01_lanes(p.seed0, p.seed1, counters + 4) : half;
-    counters += 8;
-    const Ints low = levels_of(load_floats<Tag>(x, j), u0, min, inv, top);
-    const Ints high = levels_of(load_floats<Tag>(x, j + 4), u1, min, inv, top);
-    // Levels are in [0, 255], so two saturating packs narrow them exactly.
-    const __m128i words = _mm_packs_epi32(reinterpret_cast<const __m128i&>(low),
-                                          reinterpret_cast<const __m128i&>(high));
-    _mm_storel_epi64(reinterpret_cast<__m128i*>(levels + j), _mm_packus_epi16(words, words));
-  }
-}
+#include "bucket_loops_sse2.inc"
 #endif
 
 // Levels of `size` values with a known scale; `counter` is the element index of x[0],
@@ -387,10 +323,9 @@ void dequantize_bucket(const uint8_t* packet, int64_t bucket, const uint8_t* cod
   }
 }
 
-uint8_t* codes_of(uint8_t* packet, int64_t nb, int64_t bucket, int64_t cbytes) {
-  return packet + nb * kMetaBytesPerBucket + bucket * cbytes;
-}
-const uint8_t* codes_of(const uint8_t* packet, int64_t nb, int64_t bucket, int64_t cbytes) {
+// The codes of bucket `bucket` of a packet of nb buckets (after the nb meta slots).
+template <typename Byte>
+Byte* codes_of(Byte* packet, int64_t nb, int64_t bucket, int64_t cbytes) {
   return packet + nb * kMetaBytesPerBucket + bucket * cbytes;
 }
 
@@ -544,40 +479,28 @@ void reduce_range(const ReduceJob& job, int64_t begin, int64_t end) {
   }
 }
 
-// One entry point per operation, dispatching on the element type once per range.
-template <template <typename> class Range, typename Job>
-void by_type(ElementType type, const Job& job, int64_t begin, int64_t end) {
+// Calls f(tag) with the tag of `type` (F32, BF16 or F16), as the CUDA file's
+// with_float_type: one entry point per operation, dispatching once per range.
+template <typename F>
+void with_float_type(ElementType type, F&& f) {
   switch (type) {
     case ElementType::kF32:
-      return Range<F32>::run(job, begin, end);
+      return f(F32{});
     case ElementType::kBF16:
-      return Range<BF16>::run(job, begin, end);
+      return f(BF16{});
     case ElementType::kF16:
-      return Range<F16>::run(job, begin, end);
+      return f(F16{});
   }
 }
 
-template <typename Tag>
-struct Quantize {
-  static void run(const QuantizeJob& j, int64_t b, int64_t e) { quantize_range<Tag>(j, b, e); }
-};
-template <typename Tag>
-struct Dequantize {
-  static void run(const DequantizeJob& j, int64_t b, int64_t e) { dequantize_range<Tag>(j, b, e); }
-};
-template <typename Tag>
-struct Reduce {
-  static void run(const ReduceJob& j, int64_t b, int64_t e) { reduce_range<Tag>(j, b, e); }
-};
-
 void quantize(const QuantizeJob& job, int64_t begin, int64_t end) {
-  by_type<Quantize>(job.type, job, begin, end);
+  with_float_type(job.type, [&](auto tag) { quantize_range<decltype(tag)>(job, begin, end); });
 }
 void dequantize(const DequantizeJob& job, int64_t begin, int64_t end) {
-  by_type<Dequantize>(job.type, job, begin, end);
+  with_float_type(job.type, [&](auto tag) { dequantize_range<decltype(tag)>(job, begin, end); });
 }
 void reduce_requantize(const ReduceJob& job, int64_t begin, int64_t end) {
-  by_type<Reduce>(job.own_type, job, begin, end);
+  with_float_type(job.own_type, [&](auto tag) { reduce_range<decltype(tag)>(job, begin, end); });
 }
 
 }  // namespace
