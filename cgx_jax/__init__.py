@@ -20,6 +20,7 @@ from cgx_jax.optax_transform import (
     state_specs,
 )
 from cgx_jax.policy import LayerPolicy, leaf_paths, summary, tree_wire_bytes
+from cgx_jax.sharded import compressed_all_gather, compressed_psum_scatter
 from cgx_jax.vma import local_value_and_grad
 
 __version__ = "0.1.0"
@@ -31,9 +32,11 @@ __all__ = [
     "ErrorTable",
     "LayerPolicy",
     "ProcessesDisagreeError",
+    "compressed_all_gather",
     "compressed_allreduce",
     "compressed_pmean",
     "compressed_psum",
+    "compressed_psum_scatter",
     "dequantize",
     "fit_policy",
     "has_cuda_support",

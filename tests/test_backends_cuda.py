@@ -13,6 +13,7 @@ has no CUDA kernels; importing it needs neither. Run it on a GPU machine with
 import functools
 
 import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
@@ -436,3 +437,33 @@ def test_compressed_psum_on_one_gpu_under_shard_map(codec, algorithm):
         out = step(stacked, jax.device_put(key, device))
         outs.append(jax.tree.map(lambda v: np.asarray(v)[0], out))
     _check_psum(outs[0], outs[1], inputs, codec)
+
+
+@pytest.mark.parametrize("codec", PSUM_CODECS, ids=_codec_id)
+def test_sharded_ops_on_one_gpu_match_cpu(codec):
+    """compressed_all_gather (forward and its compressed-gradient backward) and
+    compressed_psum_scatter under pmap on one GPU: the CPU's bits."""
+    rng = np.random.default_rng(3)
+    shard = {"w": rng.standard_normal((1, 200, 130)).astype(np.float32),
+             "h": rng.standard_normal((1, 300, 64)).astype(ml_dtypes.bfloat16)}
+    key = jax.random.key(7)
+
+    def program(tree):
+        def loss(tree):
+            full = cgx.compressed_all_gather(tree, "batch", codec=codec, key=key,
+                                             grad_codec=codec)
+            return sum(jnp.sum(jnp.sin(v.astype(jnp.float32))) for v in jax.tree.leaves(full))
+
+        value, grads = jax.value_and_grad(loss)(tree)
+        scattered = cgx.compressed_psum_scatter(tree, "batch", scatter_dimension=0,
+                                                tiled=True, codec=codec, key=key)
+        return value, grads, scattered
+
+    outs = []
+    for device in (GPUS[0], CPU):
+        out = jax.pmap(program, axis_name="batch", devices=[device])(
+            jax.tree.map(lambda v: v[None], shard))
+        outs.append(jax.tree.map(np.asarray, out))
+    found = [difference(g, c, f"sharded ops {codec} leaf {i}")
+             for i, (g, c) in enumerate(zip(jax.tree.leaves(outs[0]), jax.tree.leaves(outs[1])))]
+    assert_no_differences(found)

@@ -1,0 +1,243 @@
+"""cgx_jax/sharded.py (docs/design.md section 10): compressed_all_gather and
+compressed_psum_scatter against numpy models of the format (tests/numpy_model.py) and the
+lax collectives they replace: values bit for bit, layouts, dtypes, replicas, exact leaves,
+gradients, noise, the jnp backend, pmap and bad arguments."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import numpy_model as model
+import pytest
+from helpers import run_sharded
+
+import cgx_jax as cgx
+
+N = 4
+W8 = cgx.Codec(bits=8, bucket_size=64, rounding="nearest")
+G4 = cgx.Codec(bits=4, bucket_size=64)
+DTYPES = (np.float32, ml_dtypes.bfloat16, np.float16)
+SHAPE = (3, 37, 40)  # per participant; 4 x 4440 values gathered: compressed by the policy
+
+
+def shards(seed, shape=SHAPE, dtype=np.float32, num=N):
+    rng = np.random.default_rng(seed)
+    scales = 10.0 ** rng.uniform(-2, 2, (num,) + (1,) * len(shape))
+    return (rng.standard_normal((num,) + shape) * scales).astype(dtype)
+
+
+def roundtrip(values, codec):
+    """What every participant decodes of ``values`` (numpy): flattened, padded with its last
+    value to whole buckets, encoded with nearest rounding, decoded, cut back."""
+    flat = np.asarray(values, np.float32).reshape(-1)
+    pad = -flat.size % codec.bucket_size
+    padded = np.concatenate([flat, np.repeat(flat[-1:], pad)])[None]
+    packets = model.quantize_rows(padded, np.zeros(2, np.uint32), codec.bits,
+                                  codec.bucket_size, False)
+    decoded = model.dequantize_rows(packets, codec.bits, codec.bucket_size, padded.shape[1])
+    return decoded[0, :flat.size].reshape(np.shape(values))
+
+
+def gathered_like_lax(rows, axis, tiled):
+    return np.concatenate(list(rows), axis=axis) if tiled else np.stack(list(rows), axis=axis)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("axis,tiled", [(0, False), (0, True), (2, False), (-1, True)])
+def test_all_gather_is_the_decoded_shards_laid_out_as_lax(axis, tiled, dtype):
+    """Every participant gets every shard as the numpy model decodes it, in
+    lax.all_gather's layout, shape and dtype: replicas bitwise identical."""
+    stacked = shards(0, dtype=dtype)
+    got = run_sharded(lambda s: cgx.compressed_all_gather(s, "batch", axis=axis, tiled=tiled,
+                                                          codec=W8), stacked, N)
+    exact = run_sharded(lambda s: jax.lax.all_gather(s, "batch", axis=axis, tiled=tiled),
+                        stacked, N)
+    assert got.shape == exact.shape and got.dtype == exact.dtype
+    decoded = [roundtrip(s.astype(np.float32), W8).astype(dtype) for s in stacked]
+    want = gathered_like_lax(decoded, axis % (len(SHAPE) + (not tiled)), tiled)
+    for device in range(N):
+        np.testing.assert_array_equal(np.asarray(got[device]).view(np.uint8),
+                                      want.view(np.uint8))
+    assert not np.array_equal(np.asarray(got), np.asarray(exact))  # it did compress
+
+
+def test_a_pytree_gathers_small_leaves_exactly_and_fuses_the_rest():
+    """Under the layer policy's rules (decided on the gathered shape): the 1-D bias, the small
+    matrix and the int leaf travel exactly (equal to lax.all_gather); the two large leaves
+    share a segment and decode as the model says."""
+    tree = {"w1": shards(1), "w2": shards(2, (40, 120)), "b": shards(3, (40,)),
+            "small": shards(4, (8, 8)), "count": np.arange(N * 3, dtype=np.int32).reshape(N, 3)}
+    got = run_sharded(lambda t: cgx.compressed_all_gather(t, "batch", tiled=True, codec=W8),
+                      tree, N)
+    exact = run_sharded(lambda t: jax.lax.all_gather(t, "batch", tiled=True), tree, N)
+    for name in ("b", "small", "count"):
+        np.testing.assert_array_equal(got[name], exact[name])
+    for name in ("w1", "w2"):
+        want = np.concatenate([roundtrip(s, W8) for s in tree[name]], axis=0)
+        np.testing.assert_array_equal(got[name][0], want)
+
+
+def linear_loss_grads(gather, cotangent, stacked, key=None):
+    """The gradient of sum(cotangent * gather(shard)) per participant: the gather's VJP
+    applied to ``cotangent`` (the same on every participant)."""
+    def grad(s, key):
+        return jax.grad(lambda s: jnp.sum(cotangent * gather(s, key)))(s)
+    return run_sharded(grad, stacked, N, key)
+
+
+def test_all_gather_gradient_is_the_exact_psum_scatter_with_grad_codec_none():
+    stacked = shards(5)
+    ct = jnp.asarray(shards(6, (N * 3, 37, 40), num=1)[0])
+    got = linear_loss_grads(lambda s, k: cgx.compressed_all_gather(
+        s, "batch", tiled=True, codec=W8, grad_codec=None), ct, stacked)
+    want = linear_loss_grads(lambda s, k: jax.lax.all_gather(s, "batch", tiled=True), ct,
+                             stacked)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_all_gather_gradient_is_compressed_unbiased_and_needs_a_key():
+    """Default grad_codec (4-bit stochastic): each participant's gradient is the exact
+    reduce-scatter within one quantization unit per peer, unbiased over keys; without a key
+    the backward pass is refused by name."""
+    stacked = shards(7)
+    ct = jnp.asarray(np.random.default_rng(8).standard_normal((N * 3, 37, 40)), jnp.float32)
+    exact = np.asarray(linear_loss_grads(lambda s, k: jax.lax.all_gather(
+        s, "batch", tiled=True), ct, stacked))
+    units = np.ptp(np.asarray(ct)) / 15  # the widest bucket's step at 4 bits
+    errors = []
+    for seed in range(16):
+        got = linear_loss_grads(lambda s, k: cgx.compressed_all_gather(
+            s, "batch", tiled=True, codec=W8, key=k), ct, stacked, jax.random.key(seed))
+        errors.append(np.asarray(got, np.float64) - exact)
+    assert np.max(np.abs(errors)) <= (N - 1) * units
+    single, mean = np.mean(np.abs(errors[0])), np.mean(np.abs(np.mean(errors, axis=0)))
+    assert mean < 0.4 * single, (mean, single)  # 16 keys: about 1/4 of one key's error
+    with pytest.raises(ValueError, match="grad_codec.*needs a PRNG key"):
+        linear_loss_grads(lambda s, k: cgx.compressed_all_gather(s, "batch", codec=W8), ct[:1],
+                          stacked)
+
+
+def scatter_model(stacked, codec, dim, tiled):
+    """Participant i's result: the f32 sum in participant order of every participant's slice
+    i along ``dim``, the peers' decoded (model), its own raw."""
+    out = []
+    for i in range(N):
+        acc = None
+        for k, x in enumerate(stacked):
+            rows = np.moveaxis(np.asarray(x, np.float32), dim, 0)
+            piece = rows.reshape((N, rows.shape[0] // N) + rows.shape[1:])[i]
+            value = piece if k == i else roundtrip(piece, codec)
+            acc = value if acc is None else (acc + value).astype(np.float32)
+        out.append(np.moveaxis(acc, 0, dim) if tiled else acc[0])
+    return np.stack(out)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("dim,tiled", [(0, True), (1, False), (2, True)])
+def test_psum_scatter_sums_decoded_peers_and_the_raw_own_slice(dim, tiled, dtype):
+    shape = list((120, 37, 40))  # at least 16384 values: compressed by the policy
+    shape[dim] = N if not tiled else N * (3 if dim != 2 else 10)
+    stacked = shards(9, tuple(shape), dtype=dtype)
+    got = run_sharded(lambda x: cgx.compressed_psum_scatter(
+        x, "batch", scatter_dimension=dim, tiled=tiled, codec=W8), stacked, N)
+    exact = run_sharded(lambda x: jax.lax.psum_scatter(
+        x, "batch", scatter_dimension=dim, tiled=tiled), stacked, N)
+    assert got.shape == exact.shape and got.dtype == exact.dtype
+    want = np.ascontiguousarray(scatter_model(stacked, W8, dim, tiled).astype(dtype))
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint8), want.view(np.uint8))
+
+
+def test_psum_scatter_is_unbiased_with_stochastic_rounding_and_transposes_exactly():
+    stacked = shards(10, (N * 4, 50, 40))
+    exact = np.asarray(run_sharded(lambda x: jax.lax.psum_scatter(x, "batch", tiled=True),
+                                   stacked, N), np.float64)
+    runs = [np.asarray(run_sharded(lambda x, k: cgx.compressed_psum_scatter(
+        x, "batch", tiled=True, codec=G4, key=k), stacked, N, jax.random.key(s)), np.float64)
+        for s in range(16)]
+    single = np.mean(np.abs(runs[0] - exact))
+    assert np.mean(np.abs(np.mean(runs, axis=0) - exact)) < 0.4 * single
+    # Straight-through: the gradient is lax.psum_scatter's (the exact all-gather).
+    ct = jnp.asarray(np.random.default_rng(11).standard_normal((4, 50, 40)), jnp.float32)
+
+    def grads(scatter):
+        return run_sharded(lambda x, k: jax.grad(lambda x: jnp.sum(ct * scatter(x, k)))(x),
+                           stacked, N, jax.random.key(0))
+
+    np.testing.assert_array_equal(
+        grads(lambda x, k: cgx.compressed_psum_scatter(x, "batch", tiled=True, codec=G4,
+                                                       key=k)),
+        grads(lambda x, k: jax.lax.psum_scatter(x, "batch", tiled=True)))
+
+
+def test_pmap_and_the_jnp_backend():
+    """pmap gives the shard_map bits. The jnp backend gives the kernels' bits in the
+    reduce-scatter; in the all-gather's program XLA rewrites its encoding arithmetic so that
+    a quarter of the values differ in their last bits (each still within the bucket's
+    rounding step; standalone its packets are the kernels'): docs/design.md section 10."""
+    stacked = shards(12)[:, :, :36]
+    key = jax.random.key(1)
+
+    def both(x, k, backend="ffi"):
+        return (cgx.compressed_all_gather(x, "batch", codec=G4, key=k, backend=backend),
+                cgx.compressed_psum_scatter(x, "batch", scatter_dimension=1, tiled=True,
+                                            codec=G4, key=k, backend=backend))
+
+    kernels = run_sharded(both, stacked, N, key)
+    jnp_backend = run_sharded(lambda x, k: both(x, k, "jax"), stacked, N, key)
+    pmapped = jax.pmap(lambda x, k: both(x, k), axis_name="batch", in_axes=(0, None),
+                       devices=jax.devices("cpu")[:N])(stacked, key)
+    for a, c in zip(kernels, pmapped):
+        np.testing.assert_array_equal(a, c)
+    np.testing.assert_array_equal(kernels[1], jnp_backend[1])
+    step = np.max(np.ptp(stacked.reshape(N, -1), axis=-1)) / 15  # at most a shard's range
+    assert np.max(np.abs(kernels[0] - jnp_backend[0])) <= step
+
+
+def test_bad_arguments_name_what_is_wrong():
+    stacked = shards(13)
+
+    def call(fn):
+        return run_sharded(fn, stacked, N)
+
+    with pytest.raises(ValueError, match=r"axis must be an int in \[-4, 4\).*got 4"):
+        call(lambda s: cgx.compressed_all_gather(s, "batch", axis=4, codec=W8))
+    with pytest.raises(TypeError, match="codec must be a cgx_jax.Codec"):
+        call(lambda s: cgx.compressed_all_gather(s, "batch", codec=8))
+    with pytest.raises(TypeError, match="grad_codec must be a cgx_jax.Codec"):
+        call(lambda s: cgx.compressed_all_gather(s, "batch", grad_codec="4bit"))
+    with pytest.raises(ValueError, match="backend must be one of"):
+        call(lambda s: cgx.compressed_psum_scatter(s, "batch", backend="cuda", codec=W8))
+    with pytest.raises(ValueError, match=r"scatter_dimension 0 .* must have size 4"):
+        call(lambda s: cgx.compressed_psum_scatter(s, "batch", codec=W8))
+    with pytest.raises(ValueError, match=r"must have size a multiple of 4"):
+        call(lambda s: cgx.compressed_psum_scatter(s, "batch", tiled=True, codec=W8))
+    with pytest.raises(ValueError, match="compressed_psum_scatter rounds stochastically"):
+        run_sharded(lambda s: cgx.compressed_psum_scatter(s, "batch", scatter_dimension=2,
+                                                          tiled=True), shards(14, (3, 370, 40)), N)
+    with pytest.raises(ValueError, match="not bound here"):
+        cgx.compressed_all_gather(jnp.ones((4, 4)), "nowhere")
+
+
+def test_the_readme_recipe_runs_and_matches_exact_fsdp():
+    """The README's FSDP recipe, run as written (on the 8 CPU devices): its step's loss and
+    updated parameters against the same step with lax.all_gather, the parameters keeping
+    their row sharding."""
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
+    section = readme.split("## Sharded (FSDP) training", 1)[1]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    cgx_run = {}
+    exec(code, cgx_run)  # noqa: S102
+    exact_code = code.replace(
+        "cgx.compressed_all_gather(w, \"data\", tiled=True, key=jax.random.fold_in(key, i))",
+        "jax.lax.all_gather(w, \"data\", tiled=True)")
+    assert exact_code != code
+    exact_run = {}
+    exec(exact_code, exact_run)  # noqa: S102
+    assert abs(float(cgx_run["value"]) - float(exact_run["value"])) < 0.02 * float(
+        exact_run["value"])
+    for got, want in zip(cgx_run["params"], exact_run["params"]):
+        assert got.sharding.spec == want.sharding.spec == jax.sharding.PartitionSpec("data")
+        np.testing.assert_allclose(got, want, atol=0.02)
+        assert not np.array_equal(got, want)
