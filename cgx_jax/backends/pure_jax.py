@@ -114,9 +114,7 @@ def dequantize_rows(packets, codec: Codec, n: int, dtype, offset: int = 0, size=
     mn, unit = meta[..., 0:1], meta[..., 1:2]
     codes = packets[:, 8 * nb:].reshape(rows, nb, -1)
     level = _unpack(codes, codec.bits).astype(jnp.float32)
-    # The barrier keeps XLA from fusing the product into `mn + offset` as one multiply-add
-    # (it did inside compressed_all_gather's program), which rounds differently.
-    offset = jax.lax.optimization_barrier(level * unit)
+    offset = level * unit
     # As decode_level in codec.h: half scale when the offset overflows, saturation at the
     # largest float, NaN for a non-finite bucket.
     halved = (mn * 0.5 + level * (unit * 0.5)) * 2.0
