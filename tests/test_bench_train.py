@@ -1,6 +1,6 @@
 """``python -m cgx_jax.bench train`` (bench/train.py; docs/design.md section 9): argument
 checks, the report arithmetic, the models' parameter counts, and an unshaped end-to-end run
-of every mode across two real processes on a small MLP."""
+of every mode (data-parallel and FSDP) across two real processes on a small MLP."""
 
 import json
 import os
@@ -80,3 +80,12 @@ def test_unshaped_run_of_every_mode(tmp_path):
     assert rows["cgx 2b"]["wire_bytes"] < rows["cgx 4b"]["wire_bytes"] < rows["exact"][
         "wire_bytes"]
     assert rows["exact"]["vs_exact"] == 1.0 and rows["floor"]["wire_bytes"] == 0
+    # Sharded: exact FSDP trains exactly as the exact data-parallel step (the same sums);
+    # compressed FSDP stays close and moves fewer bytes, each against FSDP's own baseline.
+    assert rows["fsdp exact"]["loss"] == pytest.approx(rows["exact"]["loss"], rel=1e-5)
+    for mode in ("fsdp cgx", "fsdp 4b"):
+        assert abs(rows[mode]["loss"] - rows["exact"]["loss"]) < 0.15, (mode, rows[mode])
+        assert rows[mode]["wire_bytes"] < rows["fsdp exact"]["wire_bytes"]
+        assert rows[mode]["vs_exact"] == pytest.approx(
+            rows["fsdp exact"]["seconds"] / rows[mode]["seconds"])
+    assert rows["fsdp 4b"]["wire_bytes"] < rows["fsdp cgx"]["wire_bytes"]

@@ -17,6 +17,15 @@ shared machine hits them alike), and reports the global mean loss after all of t
 - ``adaptive``: per-layer bits fitted by ``cgx.fit_policy`` on the first step's gradients,
   on the byte budget of uniform 4 bits.
 
+Sharded (FSDP) steps: every parameter whose first dimension divides by the process count is
+sharded by rows (Adam's state with it), gathered whole for the step and its gradient
+reduce-scattered; the few others stay replicated and their gradients go through ``pmean``:
+
+- ``fsdp exact``: ``lax.all_gather`` per leaf, so ``lax.psum_scatter`` of the gradients;
+- ``fsdp cgx``: ``cgx.compressed_all_gather`` of the sharded leaves, 8-bit weights, 4-bit
+  gradients (the library's defaults);
+- ``fsdp 4b``: the same with 4-bit weights.
+
 Models (gradients shaped as in real training): ``mlp``, an MLP 784-2048-2048-2048-10 (10M
 parameters, the ``--batch`` per process of 28x28 inputs, ten classes); ``vit``, a ViT on
 32x32x3 images (patch 4, width 512, depth 6, MLP 2048: 19M parameters). The data is
@@ -46,7 +55,10 @@ from cgx_jax.netem import argument_problem, shaped_network
 
 NS_PREFIX = "cgxtrain"
 PORT = 23476
-MODES = ("floor", "exact", "cgx", "cgx 4b", "cgx 2b", "adaptive")
+MODES = ("floor", "exact", "cgx", "cgx 4b", "cgx 2b", "adaptive", "fsdp exact", "fsdp cgx",
+         "fsdp 4b")
+# The weight codec of each compressed FSDP mode (gradients: the library's default, 4 bits).
+FSDP_WEIGHT_BITS = {"fsdp cgx": 8, "fsdp 4b": 4}
 MODELS = ("mlp", "vit")
 # Adam's learning rate per model: 1e-3 makes the ViT's loss jump from 2.6 to 6 in its first
 # steps (one batch, one process), 1e-4 trains it steadily.
@@ -224,6 +236,9 @@ def _worker(args) -> None:
         f32_bytes = sum(4 * leaf.size for leaf in jax.tree.leaves(params))
         runs = {}  # mode -> its compiled step, current parameters and state, policy, loss
         for mode in args.modes:
+            if mode.startswith("fsdp"):
+                runs[mode] = _fsdp_run(mode, mesh, axis, params, loss_fn, optax.adam(lr))
+                continue
             policy = None if mode in ("floor", "exact") else policy_for(mode)
             tx = optax.adam(lr) if mode == "floor" else optax.chain(
                 exact_pmean() if mode == "exact" else
@@ -240,9 +255,10 @@ def _worker(args) -> None:
 
             @jax.jit
             @functools.partial(jax.shard_map, mesh=mesh,
-                               in_specs=(param_specs, state_specs, P(axis)),
+                               in_specs=(param_specs, state_specs, P(axis), P()),
                                out_specs=(param_specs, state_specs, P()))
-            def train_step(params, state, batch, mode=mode, tx=tx):
+            def train_step(params, state, batch, key, mode=mode, tx=tx):
+                del key  # the transform keeps its own
                 if mode == "floor":  # this process's own model, its own gradient
                     params, state = jax.tree.map(lambda v: v[0], (params, state))
                     loss, grads = jax.value_and_grad(loss_fn)(params, batch)
@@ -254,7 +270,10 @@ def _worker(args) -> None:
                     params, state = jax.tree.map(lambda v: v[None], (params, state))
                 return params, state, jax.lax.pmean(loss, axis)
 
-            runs[mode] = dict(step=train_step, params=run_params, state=state, policy=policy)
+            wire = f32_bytes if mode == "exact" else (
+                0 if mode == "floor" else cgx.tree_wire_bytes(policy, params))
+            runs[mode] = dict(step=train_step, params=run_params, state=state,
+                              wire_bytes=wire, f32_bytes=f32_bytes)
 
         # The modes take turns, one step each, so a slow spell of the shared machine falls
         # on all of them alike instead of on whichever mode was running then.
@@ -263,16 +282,15 @@ def _worker(args) -> None:
             for mode, run in runs.items():
                 start = time.perf_counter()
                 run["params"], run["state"], run["loss"] = jax.block_until_ready(run["step"](
-                    run["params"], run["state"], batches[step % len(batches)]))
+                    run["params"], run["state"], batches[step % len(batches)],
+                    jax.random.fold_in(jax.random.key(0), step)))
                 times[mode].append(time.perf_counter() - start)
         for mode, run in runs.items():
             timed = times[mode][args.warmup:]
             loss = float(run["loss"])
-            wire = f32_bytes if mode == "exact" else (
-                0 if mode == "floor" else cgx.tree_wire_bytes(run["policy"], params))
             rows.append(dict(model=model, mode=mode, seconds=statistics.median(timed),
-                             times=timed, loss=loss, steps=steps,
-                             parameters=f32_bytes // 4, wire_bytes=wire, f32_bytes=f32_bytes))
+                             times=timed, loss=loss, steps=steps, parameters=f32_bytes // 4,
+                             wire_bytes=run["wire_bytes"], f32_bytes=run["f32_bytes"]))
             if rank == 0:
                 print(f"  {model:<4} {mode:<9} {statistics.median(timed) * 1e3:9.1f} ms/step  "
                       f"loss {loss:.4f} after {steps} steps", flush=True)
@@ -284,6 +302,65 @@ def _worker(args) -> None:
     multihost_utils.sync_global_devices("cgx_bench_train_done")
 
 
+def _fsdp_run(mode, mesh, axis, params, loss_fn, tx) -> dict:
+    """The compiled FSDP step of ``mode`` and its placed parameters and Adam state: leaves
+    whose first dimension divides by the participants sharded by rows, the rest replicated.
+    ``wire_bytes``: what one participant's gathers and reduce-scatters carry per step;
+    ``f32_bytes``: the same in f32 (gather and reduce-scatter of every leaf)."""
+    import functools
+
+    import jax
+    import optax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    import cgx_jax as cgx
+    from cgx_jax.vma import to_local
+
+    n = mesh.size
+    sharded = jax.tree.map(lambda p: p.ndim > 0 and p.shape[0] % n == 0, params)
+    specs = jax.tree.map(lambda s: P(axis) if s else P(), sharded)
+    place = lambda tree, specs: jax.tree.map(  # noqa: E731
+        lambda v, s: jax.device_put(v, NamedSharding(mesh, s)), tree, specs)
+    state = tx.init(params)
+    state_specs = optax.tree_map_params(tx, lambda _, s: s, state, specs,
+                                        transform_non_params=lambda _: P())
+    weight_bits = FSDP_WEIGHT_BITS.get(mode)
+
+    def gather(shards, key):
+        parts = jax.tree.map(lambda v, s: v if s else None, shards, sharded)
+        if weight_bits is None:
+            full = jax.tree.map(lambda v: jax.lax.all_gather(v, axis, tiled=True), parts)
+        else:
+            full = cgx.compressed_all_gather(parts, axis, tiled=True, key=key,
+                                             codec=cgx.Codec(bits=weight_bits,
+                                                             rounding="nearest"))
+        return jax.tree.map(lambda f, v, s: f if s else v, full, shards, sharded,
+                            is_leaf=lambda x: x is None)
+
+    @jax.jit
+    @functools.partial(jax.shard_map, mesh=mesh, in_specs=(specs, state_specs, P(axis), P()),
+                       out_specs=(specs, state_specs, P()))
+    def step(shards, state, batch, key):
+        # Replicated leaves as local values, so their gradients are this participant's own.
+        local = jax.tree.map(lambda v, s: v if s else to_local(v, axis), shards, sharded)
+        loss, grads = jax.value_and_grad(lambda p: loss_fn(gather(p, key), batch))(local)
+        # A gathered leaf's gradient arrives summed over participants: the mean is /n.
+        grads = jax.tree.map(lambda g, s: g / n if s else jax.lax.pmean(g, axis),
+                             grads, sharded)
+        updates, state = tx.update(grads, state, shards)
+        return optax.apply_updates(shards, updates), state, jax.lax.pmean(loss, axis)
+
+    f32_bytes = 2 * sum(4 * leaf.size for leaf in jax.tree.leaves(params))
+    if weight_bits is None:
+        wire = f32_bytes
+    else:
+        weights = cgx.LayerPolicy(default=cgx.Codec(bits=weight_bits, rounding="nearest"))
+        wire = (cgx.tree_wire_bytes(weights, params)
+                + cgx.tree_wire_bytes(cgx.LayerPolicy(), params))
+    return dict(step=step, params=place(params, specs), state=place(state, state_specs),
+                wire_bytes=wire, f32_bytes=f32_bytes)
+
+
 # --------------------------------------------------------------------------- report
 
 def add_ratios(rows: list[dict]) -> list[dict]:
@@ -291,8 +368,9 @@ def add_ratios(rows: list[dict]) -> list[dict]:
     for r in rows:
         same = [o for o in rows if o["model"] == r["model"] and o.get("link") == r.get("link")]
         base = {o["mode"]: o["seconds"] for o in same}
+        exact = "fsdp exact" if r["mode"].startswith("fsdp") else "exact"  # its own baseline
         r["floor_seconds"] = base.get("floor")
-        r["vs_exact"] = base["exact"] / r["seconds"] if "exact" in base else None
+        r["vs_exact"] = base[exact] / r["seconds"] if exact in base else None
         r["wire_ratio"] = r["f32_bytes"] / r["wire_bytes"] if r["wire_bytes"] else None
     return rows
 
