@@ -23,7 +23,7 @@ from cgx_jax.axes import axis_size
 from cgx_jax.backends import BACKENDS, get_backend
 from cgx_jax.codec import Codec, padded_length
 from cgx_jax.collectives.transport import column_offsets, exchange_rows
-from cgx_jax.policy import LayerPolicy, path_name
+from cgx_jax.policy import LayerPolicy, check_policy, is_compressible, path_name
 from cgx_jax.reduction import plan_reduction
 from cgx_jax.seeds import phase_seeds, seed_bits
 from cgx_jax.validation import check_choice, check_codec
@@ -39,8 +39,7 @@ GRADIENT_CODEC = Codec()
 # Arguments
 # ---------------------------------------------------------------------------
 
-def _check_common(codec, key, backend, name: str = "codec"):
-    check_codec(codec, name)
+def _check_common(key, backend):
     check_choice("backend", backend, BACKENDS)
     if key is not None:
         seed_bits(key)  # a TypeError naming the key for anything but a PRNG key
@@ -59,12 +58,20 @@ def _check_axis(leaf, axis: int, extra: int, name: str, path: str) -> int:
     return axis % ndim
 
 
-def _leaf_codecs(leaves, shapes, treedef, codec):
-    """Each leaf's codec under the layer policy's rules (small, 1-D and non-floating leaves
-    exact: None), decided on the whole parameter's ``shapes`` (the gathered one), as
-    ``cgx.summary`` shows it, not on a shard: a 4-way sharded 128x128 weight is compressed."""
+def _leaf_codecs(leaves, shapes, treedef, codec, policy, default: Codec):
+    """Each leaf's codec (None: exact), as ``compressed_psum`` decides it: ``codec`` for every
+    floating leaf, or ``policy`` per leaf, or neither: ``LayerPolicy(default=default)``
+    (small, 1-D and non-floating leaves exact). A policy decides on the whole parameter's
+    ``shapes`` (the gathered one), as ``cgx.summary`` shows it, not on a shard: a 4-way
+    sharded 128x128 weight is compressed."""
+    if codec is not None and policy is not None:
+        raise ValueError("pass codec= or policy=, not both")
+    if codec is not None:
+        check_codec(codec)
+        return [codec if is_compressible(leaf) else None for leaf in leaves]
+    policy = LayerPolicy(default=default) if policy is None else check_policy(policy)
     whole = [jax.ShapeDtypeStruct(shape, leaf.dtype) for leaf, shape in zip(leaves, shapes)]
-    return LayerPolicy(default=codec).resolve_leaves(jax.tree_util.tree_unflatten(treedef, whole))
+    return policy.resolve_leaves(jax.tree_util.tree_unflatten(treedef, whole))
 
 
 def _need_key(codecs, key, paths, what: str) -> None:
@@ -88,16 +95,19 @@ def _seed(key, number: int, axis_name):
 # ---------------------------------------------------------------------------
 
 def compressed_all_gather(x, axis_name, *, axis: int = 0, tiled: bool = False,
-                          codec: Codec = WEIGHT_CODEC, key=None,
-                          grad_codec: Codec | None = GRADIENT_CODEC, backend: str = "ffi"):
+                          codec: Codec | None = None, policy: LayerPolicy | None = None,
+                          key=None, grad_codec: Codec | None = GRADIENT_CODEC,
+                          backend: str = "ffi"):
     """``lax.all_gather`` whose floating leaves travel quantized: the same shapes and dtypes.
 
-    Each participant encodes its own shard once (``codec``, default 8 bits with nearest
-    rounding: no key needed; buckets never straddle two shards), the packets are gathered,
-    and every participant decodes the same bytes, so all replicas of the result are bitwise
-    identical (the own shard too is the decoded one). Small, 1-D and non-floating leaves
-    (the ``LayerPolicy`` rules) travel exactly through ``lax.all_gather``. Under ``jax.grad``
-    the cotangent is reduce-scattered with ``compressed_psum_scatter`` and ``grad_codec``
+    Each participant encodes its own shard once, the packets are gathered, and every
+    participant decodes the same bytes, so all replicas of the result are bitwise identical
+    (the own shard too is the decoded one); buckets never straddle two shards. The codecs:
+    as in ``compressed_psum``, ``codec=`` for every floating leaf or ``policy=`` per leaf;
+    neither means ``LayerPolicy(default=Codec(bits=8, rounding="nearest"))`` (no key needed;
+    small, 1-D and non-floating leaves travel exactly through ``lax.all_gather``). Under
+    ``jax.grad`` the compressed leaves' cotangent is reduce-scattered with
+    ``compressed_psum_scatter`` and ``grad_codec``
     (default 4-bit stochastic: noise from ``key``, folded apart from the forward's) or, with
     ``grad_codec=None``, exactly with ``lax.psum_scatter``. Call it inside ``jax.shard_map``
     (typed as ``lax.all_gather``) or ``jax.pmap``.
@@ -110,7 +120,7 @@ def compressed_all_gather(x, axis_name, *, axis: int = 0, tiled: bool = False,
         >>> full.shape, bool(jnp.max(jnp.abs(full - w)) <= 2 / 255 / 2)
         ((1, 128, 256), True)
     """
-    _check_common(codec, key, backend)
+    _check_common(key, backend)
     if grad_codec is not None:
         check_codec(grad_codec, "grad_codec")
     num = axis_size(axis_name)
@@ -121,7 +131,7 @@ def compressed_all_gather(x, axis_name, *, axis: int = 0, tiled: bool = False,
             for leaf, path in zip(leaves, paths)]
     gathered = [jax.eval_shape(lambda v, a=a: _place_rows(jnp.stack([v] * num), a, tiled),
                                leaf).shape for leaf, a in zip(leaves, axes)]
-    codecs = _leaf_codecs(leaves, gathered, treedef, codec)
+    codecs = _leaf_codecs(leaves, gathered, treedef, codec, policy, WEIGHT_CODEC)
     _need_key(codecs, key, paths, "compressed_all_gather's codec")
     compressed = [i for i, c in enumerate(codecs) if c is not None and leaves[i].size]
     out = [lax.all_gather(leaf, axis_name, axis=a, tiled=tiled)
@@ -213,17 +223,19 @@ _gather_stacked.defvjp(_gather_stacked_fwd, _gather_stacked_bwd)
 # ---------------------------------------------------------------------------
 
 def compressed_psum_scatter(x, axis_name, *, scatter_dimension: int = 0, tiled: bool = False,
-                            codec: Codec = GRADIENT_CODEC, key=None, backend: str = "ffi",
+                            codec: Codec | None = None, policy: LayerPolicy | None = None,
+                            key=None, backend: str = "ffi",
                             what: str = "compressed_psum_scatter"):
     """``lax.psum_scatter`` whose floating leaves travel quantized: the same shapes and dtypes.
 
-    Each participant encodes the N-1 chunks its peers will own (``codec``, default 4-bit
-    stochastic: noise from ``key``, independent per participant), the packets are exchanged
+    Each participant encodes the N-1 chunks its peers will own, the packets are exchanged
     (an all-to-all), and each participant sums, in f32 and in participant order, the chunks
-    it received, decoded, and its own chunk, raw: every value is quantized once. Small, 1-D
-    and non-floating leaves go through ``lax.psum_scatter`` exactly. Under ``jax.grad`` it
-    acts as the exact ``lax.psum_scatter`` (its transpose is the exact ``lax.all_gather``:
-    straight-through). Leaves sharing a codec share one exchange.
+    it received, decoded, and its own chunk, raw: every value is quantized once. The codecs
+    as in ``compressed_psum``: ``codec=`` for every floating leaf, ``policy=`` per leaf,
+    neither ``LayerPolicy()`` (4-bit stochastic: noise from ``key``, independent per
+    participant; small, 1-D and non-floating leaves exact through ``lax.psum_scatter``).
+    Under ``jax.grad`` it acts as the exact ``lax.psum_scatter`` (its transpose is the exact
+    ``lax.all_gather``: straight-through). Leaves sharing a codec share one exchange.
 
     Example:
         >>> import jax, jax.numpy as jnp, cgx_jax as cgx
@@ -234,7 +246,7 @@ def compressed_psum_scatter(x, axis_name, *, scatter_dimension: int = 0, tiled: 
         >>> part.shape, float(part[0, 0, 0])
         ((1, 128, 256), 1.0)
     """
-    _check_common(codec, key, backend)
+    _check_common(key, backend)
     num = axis_size(axis_name)
     flat_with_paths, treedef = jax.tree_util.tree_flatten_with_path(x)
     leaves = [jnp.asarray(leaf) for _, leaf in flat_with_paths]
@@ -248,7 +260,8 @@ def compressed_psum_scatter(x, axis_name, *, scatter_dimension: int = 0, tiled: 
                 f"scatter_dimension {dim} of {_leaf_name(path)} (shape {tuple(leaf.shape)}) must "
                 f"have size {want}, the size of axis {axis_name!r}"
                 f"{' (tiled=True)' if tiled else ' (tiled=False: one slice per participant)'}")
-    codecs = _leaf_codecs(leaves, [leaf.shape for leaf in leaves], treedef, codec)
+    codecs = _leaf_codecs(leaves, [leaf.shape for leaf in leaves], treedef, codec, policy,
+                          GRADIENT_CODEC)
     _need_key(codecs, key, paths, what)
     compressed = [i for i, c in enumerate(codecs) if c is not None and leaves[i].size]
     out = [None] * len(leaves)

@@ -66,17 +66,27 @@ def test_all_gather_is_the_decoded_shards_laid_out_as_lax(axis, tiled, dtype):
 def test_a_pytree_gathers_small_leaves_exactly_and_fuses_the_rest():
     """Under the layer policy's rules (decided on the gathered shape): the 1-D bias, the small
     matrix and the int leaf travel exactly (equal to lax.all_gather); the two large leaves
-    share a segment and decode as the model says."""
+    share a segment and decode as the model says. codec= compresses every floating leaf."""
     tree = {"w1": shards(1), "w2": shards(2, (40, 120)), "b": shards(3, (40,)),
             "small": shards(4, (8, 8)), "count": np.arange(N * 3, dtype=np.int32).reshape(N, 3)}
-    got = run_sharded(lambda t: cgx.compressed_all_gather(t, "batch", tiled=True, codec=W8),
-                      tree, N)
+    policy = cgx.LayerPolicy(default=W8)
+    got = run_sharded(lambda t: cgx.compressed_all_gather(t, "batch", tiled=True,
+                                                          policy=policy), tree, N)
     exact = run_sharded(lambda t: jax.lax.all_gather(t, "batch", tiled=True), tree, N)
     for name in ("b", "small", "count"):
         np.testing.assert_array_equal(got[name], exact[name])
     for name in ("w1", "w2"):
         want = np.concatenate([roundtrip(s, W8) for s in tree[name]], axis=0)
         np.testing.assert_array_equal(got[name][0], want)
+    every = run_sharded(lambda t: cgx.compressed_all_gather(t, "batch", tiled=True, codec=W8),
+                        tree, N)
+    np.testing.assert_array_equal(every["count"], exact["count"])
+    for name in ("b", "small"):
+        want = np.concatenate([roundtrip(s, W8) for s in tree[name]], axis=0)
+        np.testing.assert_array_equal(every[name][0], want)
+    with pytest.raises(ValueError, match="pass codec= or policy=, not both"):
+        run_sharded(lambda t: cgx.compressed_all_gather(t, "batch", codec=W8, policy=policy),
+                    tree, N)
 
 
 def linear_loss_grads(gather, cotangent, stacked, key=None):

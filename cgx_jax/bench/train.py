@@ -325,15 +325,14 @@ def _fsdp_run(mode, mesh, axis, params, loss_fn, tx) -> dict:
     state_specs = optax.tree_map_params(tx, lambda _, s: s, state, specs,
                                         transform_non_params=lambda _: P())
     weight_bits = FSDP_WEIGHT_BITS.get(mode)
+    weights = cgx.LayerPolicy(default=cgx.Codec(bits=weight_bits or 8, rounding="nearest"))
 
     def gather(shards, key):
         parts = jax.tree.map(lambda v, s: v if s else None, shards, sharded)
         if weight_bits is None:
             full = jax.tree.map(lambda v: jax.lax.all_gather(v, axis, tiled=True), parts)
         else:
-            full = cgx.compressed_all_gather(parts, axis, tiled=True, key=key,
-                                             codec=cgx.Codec(bits=weight_bits,
-                                                             rounding="nearest"))
+            full = cgx.compressed_all_gather(parts, axis, tiled=True, key=key, policy=weights)
         return jax.tree.map(lambda f, v, s: f if s else v, full, shards, sharded,
                             is_leaf=lambda x: x is None)
 
@@ -354,7 +353,6 @@ def _fsdp_run(mode, mesh, axis, params, loss_fn, tx) -> dict:
     if weight_bits is None:
         wire = f32_bytes
     else:
-        weights = cgx.LayerPolicy(default=cgx.Codec(bits=weight_bits, rounding="nearest"))
         wire = (cgx.tree_wire_bytes(weights, params)
                 + cgx.tree_wire_bytes(cgx.LayerPolicy(), params))
     return dict(step=step, params=place(params, specs), state=place(state, state_specs),

@@ -11,6 +11,13 @@ all-reduced per step.
     python examples/vit/train.py --seeds 0 1 2 --json metrics.json --plot curves.png
     python examples/vit/train.py --dataset cifar10 --data-dir ~/data/cifar-10-batches-py
 
+Sharded (FSDP) training, with the parameters and the optimizer state split by rows over the
+devices: ``fsdp-exact`` gathers each weight with ``lax.all_gather`` (its gradient is
+reduce-scattered by ``lax.psum_scatter``), ``fsdp`` with ``cgx.compressed_all_gather``
+(8-bit weights; gradients reduce-scattered at ``--bits``):
+
+    python examples/vit/train.py --mode baseline fsdp-exact fsdp --seeds 0 1 2
+
 Across processes, with checkpoints every 50 steps and up to 3 restarts after a crash (each
 restart resumes from the newest checkpoint, bit for bit the run it continues):
 
@@ -50,7 +57,8 @@ import checkpoint  # noqa: E402
 import data as datasets  # noqa: E402
 from model import ViT  # noqa: E402
 
-MODES = ("baseline", "cgx", "adaptive")
+MODES = ("baseline", "cgx", "adaptive")  # data parallel: "all"
+FSDP_MODES = ("fsdp-exact", "fsdp")
 AXIS = "batch"
 
 
@@ -61,7 +69,7 @@ AXIS = "batch"
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--mode", nargs="+", default=["all"], choices=(*MODES, "all"),
+    p.add_argument("--mode", nargs="+", default=["all"], choices=(*MODES, *FSDP_MODES, "all"),
                    help="runs to train and compare (all: baseline, cgx, adaptive)")
     p.add_argument("--seeds", nargs="+", type=int, default=[0],
                    help="seeds (model init, data order, rounding noise); one run per mode each")
@@ -110,7 +118,8 @@ def parse_args(argv=None):
     if args.tiny:
         args.depth, args.dim, args.heads, args.batch_size = 1, 32, 2, 64
         args.steps = args.steps or 4
-    modes = MODES if "all" in args.mode else tuple(m for m in MODES if m in args.mode)
+    modes = tuple(m for m in (*MODES, *FSDP_MODES)
+                  if m in args.mode or ("all" in args.mode and m in MODES))
     args.modes = modes
     if args.checkpoint_dir and (len(modes) != 1 or modes[0] == "adaptive"
                                 or len(args.seeds) != 1):
@@ -136,13 +145,27 @@ def fit_adaptive_policy(grads, args) -> cgx.LayerPolicy:
                           base=cgx_policy(args))
 
 
-def wire_stats(policy, params):
-    """(bytes one participant all-reduces per step, f32 bytes, per-leaf bits) under
-    ``policy`` (``None``: exact f32), counted as ``cgx.summary`` does (compressed leaves
-    padded to whole buckets)."""
+def fsdp_weights(args, mode):
+    """The layer policy of the weights ``fsdp`` gathers: 8 bits, nearest rounding, the
+    matrices of at least ``--min-size`` values (None: ``fsdp-exact``, no compression)."""
+    if mode != "fsdp":
+        return None
+    return cgx.LayerPolicy(default=cgx.Codec(bits=8, bucket_size=args.bucket_size,
+                                             rounding="nearest"), min_size=args.min_size)
+
+
+def wire_stats(policy, params, mode, args):
+    """(bytes one participant sends per step, f32 bytes, per-leaf bits of the gradients)
+    under ``policy`` (``None``: exact f32), counted as ``cgx.summary`` does (compressed
+    leaves padded to whole buckets). FSDP modes gather the weights and reduce-scatter the
+    gradients: twice the bytes, the weights at ``fsdp_weights``."""
     leaves = jax.tree.leaves(params)
     f32 = sum(4 * x.size for x in leaves)
     wire = f32 if policy is None else cgx.tree_wire_bytes(policy, params)
+    if mode in FSDP_MODES:
+        weights = fsdp_weights(args, mode)
+        f32, wire = 2 * f32, wire + (f32 if weights is None
+                                     else cgx.tree_wire_bytes(weights, params))
     codecs = [None] * len(leaves) if policy is None else policy.resolve_leaves(params)
     bits = {name: (32 if c is None else c.bits)
             for name, c in zip(cgx.leaf_paths(params), codecs)}
@@ -193,6 +216,51 @@ def make_train_step(graphdef, tx, mesh, num_classes, smoothing, state_specs):
     return jax.jit(jax.shard_map(step, mesh=mesh,
                                  in_specs=(P(), state_specs, P(AXIS), P(AXIS)),
                                  out_specs=(P(), state_specs, P())),
+                   donate_argnums=(0, 1))
+
+
+def fsdp_spec(leaf, num_devices):
+    """FSDP layout: a leaf whose first dimension divides by the devices is split by rows."""
+    return P(AXIS) if leaf.ndim and leaf.shape[0] % num_devices == 0 else P()
+
+
+def make_fsdp_step(graphdef, params, tx, mesh, num_classes, smoothing, weights, grad_codec):
+    """One jitted FSDP step: each device holds its rows of the split leaves (and their Adam
+    state), gathers them whole for the loss (``weights``: a ``cgx.LayerPolicy`` for
+    ``cgx.compressed_all_gather``, None for ``lax.all_gather``), and autodiff
+    reduce-scatters their gradients (compressed with ``grad_codec``); the few leaves that
+    are not split are replicated and their gradients averaged with ``pmean``. The optimizer
+    updates the f32 rows."""
+    n = mesh.size
+    treedef = jax.tree.structure(params)
+    split = [fsdp_spec(leaf, n) == P(AXIS) for leaf in jax.tree.leaves(params)]
+
+    def gather(leaves, key):
+        parts = [v for v, s in zip(leaves, split) if s]
+        full = iter(cgx.compressed_all_gather(parts, AXIS, tiled=True, key=key, policy=weights,
+                                              grad_codec=grad_codec)
+                    if weights is not None
+                    else [jax.lax.all_gather(v, AXIS, tiled=True) for v in parts])
+        return jax.tree.unflatten(treedef, [next(full) if s else v
+                                            for v, s in zip(leaves, split)])
+
+    def step(shards, opt_state, x, y, key):
+        # Replicated leaves as local values: their gradients are this device's own.
+        local = [v if s else jax.lax.pcast(v, AXIS, to="varying")
+                 for v, s in zip(jax.tree.leaves(shards), split)]
+        loss, grads = jax.value_and_grad(lambda leaves: loss_fn(
+            graphdef, gather(leaves, key), x, y, num_classes, smoothing))(local)
+        # A gathered leaf's gradient arrives summed over the devices: the mean is / n.
+        grads = jax.tree.unflatten(treedef, [g / n if s else jax.lax.pmean(g, AXIS)
+                                             for g, s in zip(grads, split)])
+        updates, opt_state = tx.update(grads, opt_state, shards)
+        return optax.apply_updates(shards, updates), opt_state, jax.lax.pmean(loss, AXIS)
+
+    param_specs = jax.tree.map(lambda v: fsdp_spec(v, n), params)
+    state_specs = jax.tree.map(lambda v: fsdp_spec(v, n), jax.eval_shape(tx.init, params))
+    return jax.jit(jax.shard_map(step, mesh=mesh,
+                                 in_specs=(param_specs, state_specs, P(AXIS), P(AXIS), P()),
+                                 out_specs=(param_specs, state_specs, P())),
                    donate_argnums=(0, 1))
 
 
@@ -254,7 +322,7 @@ def train_run(mode, seed, args, ds, mesh, show_progress):
                 patch=args.patch, dim=args.dim, depth=args.depth, heads=args.heads,
                 mlp_ratio=args.mlp_ratio, rngs=nnx.Rngs(seed))
     graphdef, params = nnx.split(model, nnx.Param)
-    policy = None if mode == "baseline" else cgx_policy(args)
+    policy = None if mode in ("baseline", "fsdp-exact") else cgx_policy(args)
 
     def build(policy):
         allreduce = (exact_pmean() if policy is None
@@ -265,9 +333,20 @@ def train_run(mode, seed, args, ds, mesh, show_progress):
         return tx, make_train_step(graphdef, tx, mesh, ds.num_classes, args.label_smoothing,
                                    specs)
 
-    tx, train_step = build(policy)
-    params = jax.device_put(params, NamedSharding(mesh, P()))
-    opt_state = cgx.shard_state(tx.init(params), mesh, AXIS)
+    fsdp_key = None  # FSDP steps take their rounding noise as an argument
+    if mode in FSDP_MODES:
+        tx = make_optimizer(optax.identity(), args, total)
+        train_step = make_fsdp_step(graphdef, params, tx, mesh, ds.num_classes,
+                                    args.label_smoothing, fsdp_weights(args, mode),
+                                    cgx.Codec(bits=args.bits, bucket_size=args.bucket_size))
+        place = lambda tree: jax.tree.map(  # noqa: E731
+            lambda v: jax.device_put(v, NamedSharding(mesh, fsdp_spec(v, n_dev))), tree)
+        params, opt_state = place(params), place(tx.init(params))
+        fsdp_key = jax.random.PRNGKey(seed)
+    else:
+        tx, train_step = build(policy)
+        params = jax.device_put(params, NamedSharding(mesh, P()))
+        opt_state = cgx.shard_state(tx.init(params), mesh, AXIS)
     batch_sharding = NamedSharding(mesh, P(AXIS))
     evaluate = make_eval(graphdef, ds.num_classes)
     adapt_at = (args.adapt_after if args.adapt_after is not None
@@ -304,7 +383,11 @@ def train_run(mode, seed, args, ds, mesh, show_progress):
             x = datasets.random_shift(ds.x_train[idx], aug_rng, args.shift)
             x, y = (global_batch(a, batch_sharding) for a in (x, ds.y_train[idx]))
             start = time.perf_counter()
-            params, opt_state, loss = train_step(params, opt_state, x, y)
+            if fsdp_key is None:
+                params, opt_state, loss = train_step(params, opt_state, x, y)
+            else:
+                params, opt_state, loss = train_step(params, opt_state, x, y,
+                                                     jax.random.fold_in(fsdp_key, step))
             loss = float(loss)  # wait for every step: bounds the collectives in flight
             step_times.append(time.perf_counter() - start)
             losses.append(loss)
@@ -331,7 +414,7 @@ def train_run(mode, seed, args, ds, mesh, show_progress):
         print(cgx.summary(policy, jax.device_get(params)))
 
     timed = [t for i, t in enumerate(step_times) if i not in compile_steps]
-    wire, f32, bits = wire_stats(policy, jax.device_get(params))
+    wire, f32, bits = wire_stats(policy, jax.device_get(params), mode, args)
     last = losses[-min(len(losses), steps_per_epoch):]
     return {
         "mode": mode,
@@ -359,6 +442,10 @@ def describe_policy(mode, args):
         return "exact f32 pmean"
     if mode == "cgx":
         return f"{args.bits} bit/{args.bucket_size} stochastic"
+    if mode == "fsdp-exact":
+        return "FSDP, exact f32"
+    if mode == "fsdp":
+        return f"FSDP, 8b weights, {args.bits}b grads"
     return f"fit_policy, budget {args.budget_bits:g} bits"
 
 
@@ -367,7 +454,7 @@ def describe_policy(mode, args):
 # ---------------------------------------------------------------------------
 
 def results_table(runs, modes, seeds):
-    lines = [f"{'mode':<9} {'policy':<26} {'test acc':>8} {'final loss':>10} {'test loss':>9} "
+    lines = [f"{'mode':<10} {'policy':<26} {'test acc':>8} {'final loss':>10} {'test loss':>9} "
              f"{'ms/step':>8} {'bytes/step':>11} {'vs f32':>7}"]
     for mode in modes:
         rs = [r for r in runs if r["mode"] == mode]
@@ -375,12 +462,12 @@ def results_table(runs, modes, seeds):
             continue
         mean = lambda k: float(np.mean([r[k] for r in rs]))  # noqa: E731
         lines.append(
-            f"{mode:<9} {rs[0]['policy']:<26} {100 * mean('test_accuracy'):>7.2f}% "
+            f"{mode:<10} {rs[0]['policy']:<26} {100 * mean('test_accuracy'):>7.2f}% "
             f"{mean('final_loss'):>10.4f} {mean('test_loss'):>9.4f} "
             f"{1e3 * mean('step_time_s'):>8.1f} {int(mean('bytes_per_step')):>11,} "
             f"{mean('compression_vs_f32'):>6.1f}x")
     if len(seeds) > 1:
-        lines += ["", "test accuracy (%) per seed", f"{'mode':<9} " + " ".join(
+        lines += ["", "test accuracy (%) per seed", f"{'mode':<10} " + " ".join(
             f"{'seed ' + str(s):>8}" for s in seeds) + f" {'mean':>8} {'vs baseline':>11}"]
         base = [r["test_accuracy"] for r in runs if r["mode"] == "baseline"]
         for mode in modes:
@@ -389,7 +476,7 @@ def results_table(runs, modes, seeds):
             if not accs:
                 continue
             delta = (f"{100 * (np.mean(accs) - np.mean(base)):>+10.2f}p" if base else "")
-            lines.append(f"{mode:<9} " + " ".join(f"{100 * a:>8.2f}" for a in accs)
+            lines.append(f"{mode:<10} " + " ".join(f"{100 * a:>8.2f}" for a in accs)
                          + f" {100 * np.mean(accs):>8.2f} {delta:>11}")
     return "\n".join(lines)
 
@@ -418,7 +505,8 @@ def plot(runs, path):
 
     fig, (ax_loss, ax_acc, ax_bits) = plt.subplots(1, 3, figsize=(17, 4.5),
                                                    gridspec_kw={"width_ratios": [1, 1, 1.6]})
-    colors = {"baseline": "tab:blue", "cgx": "tab:orange", "adaptive": "tab:green"}
+    colors = {"baseline": "tab:blue", "cgx": "tab:orange", "adaptive": "tab:green",
+              "fsdp-exact": "tab:purple", "fsdp": "tab:red"}
     seen = set()
     for r in runs:
         label = r["mode"] if r["mode"] not in seen else None
@@ -489,7 +577,7 @@ def main(argv=None) -> dict:
           f"label smoothing {args.label_smoothing:g}")
     if "cgx" in modes or "adaptive" in modes:
         policy = cgx_policy(args)
-        wire, f32, bits = wire_stats(policy, probe)
+        wire, f32, bits = wire_stats(policy, probe, "cgx", args)
         n_comp = sum(b < 32 for b in bits.values())
         print(f"cgx policy: {describe_policy('cgx', args)} for matrices of >= {args.min_size} "
               f"values: {n_comp} of {len(bits)} leaves compressed, {wire:,} bytes all-reduced "
@@ -514,7 +602,8 @@ def main(argv=None) -> dict:
     print(results_table(runs, modes, args.seeds))
     print("\nms/step: mean wall time of a step after compilation (waits for the loss). "
           "bytes/step: what one participant all-reduces per step (compressed leaves padded to "
-          "whole buckets), vs f32: ratio to the exact f32 all-reduce.")
+          "whole buckets; FSDP: its gathers and reduce-scatters), vs f32: ratio to the same "
+          "in f32.")
 
     metrics = {
         "config": {k: v for k, v in vars(args).items() if k != "modes"},
