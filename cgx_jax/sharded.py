@@ -12,7 +12,9 @@ optimizer's master weights, stay full precision.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from collections.abc import Hashable
 
 import jax
 import jax.numpy as jnp
@@ -90,6 +92,19 @@ def _seed(key, number: int, axis_name):
     return phase_seeds(key, number, participant, 1, 1)[0, 0]
 
 
+@dataclasses.dataclass(frozen=True)
+class _Settings:
+    """The static settings of one compressed gather or reduce-scatter (hashable, for
+    ``custom_vjp``): ``codecs`` one per compressed leaf; ``grad_codec`` the gather's
+    gradient codec (None: exact)."""
+
+    axis_name: Hashable
+    num: int
+    codecs: tuple[Codec, ...]
+    backend: str
+    grad_codec: Codec | None = None
+
+
 # ---------------------------------------------------------------------------
 # compressed_all_gather
 # ---------------------------------------------------------------------------
@@ -137,8 +152,8 @@ def compressed_all_gather(x, axis_name, *, axis: int = 0, tiled: bool = False,
     out = [lax.all_gather(leaf, axis_name, axis=a, tiled=tiled)
            for leaf, a in zip(leaves, axes)]  # exact leaves keep these
     if compressed:
-        settings = _GatherSettings(axis_name, num, tuple(codecs[i] for i in compressed),
-                                   grad_codec, backend)
+        settings = _Settings(axis_name, num, tuple(codecs[i] for i in compressed), backend,
+                             grad_codec)
         stacked = _gather_stacked([leaves[i] for i in compressed], key, settings)
         for i, rows in zip(compressed, stacked):
             out[i] = _place_rows(rows, axes[i], tiled)
@@ -155,21 +170,8 @@ def _place_rows(rows, axis: int, tiled: bool):
     return moved.reshape(shape[:axis] + (shape[axis] * shape[axis + 1],) + shape[axis + 2:])
 
 
-class _GatherSettings(tuple):
-    """The static settings of one compressed gather (hashable, for ``custom_vjp``)."""
-
-    def __new__(cls, axis_name, num, codecs, grad_codec, backend):
-        return super().__new__(cls, (axis_name, num, codecs, grad_codec, backend))
-
-    axis_name = property(lambda self: self[0])
-    num = property(lambda self: self[1])
-    codecs = property(lambda self: self[2])
-    grad_codec = property(lambda self: self[3])
-    backend = property(lambda self: self[4])
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _gather_stacked(leaves, key, settings: _GatherSettings):
+def _gather_stacked(leaves, key, settings: _Settings):
     """``[N, *shape]`` per leaf: every participant's shard, decoded from the gathered
     packets. Planned like the all-gather all-reduce (``reduction.plan_reduction``): leaves
     sharing a codec packed bucket-aligned into segments, a large leaf read in place."""
@@ -271,8 +273,7 @@ def compressed_psum_scatter(x, axis_name, *, scatter_dimension: int = 0, tiled: 
                                       tiled=tiled)
     if compressed:
         rows = [_rows_of(leaves[i], dims[i], num) for i in compressed]
-        settings = _ScatterSettings(axis_name, num, tuple(codecs[i] for i in compressed),
-                                    backend)
+        settings = _Settings(axis_name, num, tuple(codecs[i] for i in compressed), backend)
         for i, value in zip(compressed, _scatter_rows(rows, key, settings)):
             out[i] = _unrows(value, dims[i], tiled)
     return jax.tree_util.tree_unflatten(treedef, out)
@@ -291,20 +292,8 @@ def _unrows(value, dim: int, tiled: bool):
     return jnp.moveaxis(value, 0, dim) if tiled else value[0]
 
 
-class _ScatterSettings(tuple):
-    """The static settings of one compressed reduce-scatter (hashable, for ``custom_vjp``)."""
-
-    def __new__(cls, axis_name, num, codecs, backend):
-        return super().__new__(cls, (axis_name, num, codecs, backend))
-
-    axis_name = property(lambda self: self[0])
-    num = property(lambda self: self[1])
-    codecs = property(lambda self: self[2])
-    backend = property(lambda self: self[3])
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _scatter_rows(rows, key, settings: _ScatterSettings):
+def _scatter_rows(rows, key, settings: _Settings):
     """Per leaf ``[N, k, *rest]`` -> this participant's ``[k, *rest]``: the f32 sum over
     participants of their row ``index``, peers' rows decoded, the own row raw. Leaves sharing
     a codec are one buffer ``[N, L]`` (each leaf's row padded to whole buckets, so no bucket
