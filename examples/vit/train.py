@@ -454,7 +454,7 @@ def describe_policy(mode, args):
 # ---------------------------------------------------------------------------
 
 def results_table(runs, modes, seeds):
-    lines = [f"{'mode':<10} {'policy':<26} {'test acc':>8} {'final loss':>10} {'test loss':>9} "
+    lines = [f"{'mode':<9} {'policy':<26} {'test acc':>8} {'final loss':>10} {'test loss':>9} "
              f"{'ms/step':>8} {'bytes/step':>11} {'vs f32':>7}"]
     for mode in modes:
         rs = [r for r in runs if r["mode"] == mode]
@@ -462,12 +462,12 @@ def results_table(runs, modes, seeds):
             continue
         mean = lambda k: float(np.mean([r[k] for r in rs]))  # noqa: E731
         lines.append(
-            f"{mode:<10} {rs[0]['policy']:<26} {100 * mean('test_accuracy'):>7.2f}% "
+            f"{mode:<9} {rs[0]['policy']:<26} {100 * mean('test_accuracy'):>7.2f}% "
             f"{mean('final_loss'):>10.4f} {mean('test_loss'):>9.4f} "
             f"{1e3 * mean('step_time_s'):>8.1f} {int(mean('bytes_per_step')):>11,} "
             f"{mean('compression_vs_f32'):>6.1f}x")
     if len(seeds) > 1:
-        lines += ["", "test accuracy (%) per seed", f"{'mode':<10} " + " ".join(
+        lines += ["", "test accuracy (%) per seed", f"{'mode':<9} " + " ".join(
             f"{'seed ' + str(s):>8}" for s in seeds) + f" {'mean':>8} {'vs baseline':>11}"]
         base = [r["test_accuracy"] for r in runs if r["mode"] == "baseline"]
         for mode in modes:
@@ -476,7 +476,7 @@ def results_table(runs, modes, seeds):
             if not accs:
                 continue
             delta = (f"{100 * (np.mean(accs) - np.mean(base)):>+10.2f}p" if base else "")
-            lines.append(f"{mode:<10} " + " ".join(f"{100 * a:>8.2f}" for a in accs)
+            lines.append(f"{mode:<9} " + " ".join(f"{100 * a:>8.2f}" for a in accs)
                          + f" {100 * np.mean(accs):>8.2f} {delta:>11}")
     return "\n".join(lines)
 
