@@ -22,7 +22,13 @@ from cgx_jax.backends import BACKENDS, get_backend
 from cgx_jax.codec import Codec, packet_bytes, pad_to_multiple, padded_length
 from cgx_jax.collectives import ALGORITHMS, resolve_algorithm
 from cgx_jax.consistency import check_processes_agree
-from cgx_jax.policy import LayerPolicy, check_policy, is_compressible, path_name
+from cgx_jax.policy import (
+    LayerPolicy,
+    check_policy,
+    choose_codecs,
+    is_compressible,
+    path_name,
+)
 from cgx_jax.reduction import plan_reduction, run_plan
 from cgx_jax.seeds import rounding_seed, seed_bits
 from cgx_jax.validation import check_choice, check_codec
@@ -136,16 +142,10 @@ def reduce_leaves(leaves, codecs, axis_name, *, key=None, algorithm="auto", back
 
 
 def _tree_codecs(leaves, treedef, codec, policy) -> list:
-    """Each leaf's codec: ``codec`` for every floating leaf, or what ``policy`` (default
-    ``LayerPolicy()``) decides; warns when a policy compresses nothing."""
-    if codec is not None and policy is not None:
-        raise ValueError("pass codec= or policy=, not both")
-    if codec is not None:
-        check_codec(codec)
-        return [codec if is_compressible(leaf) else None for leaf in leaves]
+    """Each leaf's codec (``policy.choose_codecs``); warns when a policy compresses nothing."""
+    codecs = choose_codecs(leaves, treedef, codec=codec, policy=policy)
     policy = check_policy(policy)
-    codecs = policy.resolve_leaves(jax.tree_util.tree_unflatten(treedef, leaves))
-    if policy.default is not None and not any(
+    if codec is None and policy.default is not None and not any(
             c is not None and leaf.size for c, leaf in zip(codecs, leaves)):
         warn_nothing_compressed(policy, leaves)
     return codecs

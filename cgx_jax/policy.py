@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from cgx_jax.codec import Codec, wire_bytes
 from cgx_jax.trees import is_array, partition
+from cgx_jax.validation import check_codec
 
 # Layers below 16K values (64 KiB in f32) cost latency, not bandwidth: compressing them saves
 # little and spends their precision. CGX leaves such layers, biases and norms exact too.
@@ -159,6 +160,30 @@ def check_policy(policy, name: str = "policy") -> LayerPolicy:
     if not isinstance(policy, LayerPolicy):
         raise TypeError(f"{name} must be a cgx_jax.LayerPolicy, got {type(policy).__name__}")
     return policy
+
+
+def choose_codecs(leaves, treedef, *, codec=None, policy=None, default=None,
+                  shapes=None) -> list:
+    """Each leaf's codec (None: exact), as every compressed collective chooses it:
+    ``codec`` for every floating leaf, else ``policy`` per leaf, else ``default`` (a
+    ``LayerPolicy``; None: ``LayerPolicy()``). A policy decides on ``shapes`` when given (the
+    whole parameter a shard belongs to, as ``cgx.summary`` shows it), else on the leaves.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> leaves, treedef = jax.tree.flatten({"w": jnp.ones((4, 4)), "n": jnp.arange(3)})
+        >>> [c is None for c in choose_codecs(leaves, treedef, codec=Codec(bits=8))]  # n, w
+        [True, False]
+    """
+    if codec is not None and policy is not None:
+        raise ValueError("pass codec= or policy=, not both")
+    if codec is not None:
+        check_codec(codec)
+        return [codec if is_compressible(leaf) else None for leaf in leaves]
+    policy = check_policy(policy) if policy is not None else (default or LayerPolicy())
+    if shapes is not None:
+        leaves = [jax.ShapeDtypeStruct(shape, leaf.dtype) for leaf, shape in zip(leaves, shapes)]
+    return policy.resolve_leaves(jax.tree_util.tree_unflatten(treedef, leaves))
 
 
 def leaf_wire_bytes(codec: Codec | None, leaf) -> int:

@@ -23,9 +23,9 @@ from jax import lax
 from cgx_jax import fusion
 from cgx_jax.axes import axis_size
 from cgx_jax.backends import BACKENDS, get_backend
-from cgx_jax.codec import Codec, padded_length
+from cgx_jax.codec import Codec, pad_to_multiple
 from cgx_jax.collectives.transport import column_offsets, exchange_rows
-from cgx_jax.policy import LayerPolicy, check_policy, is_compressible, path_name
+from cgx_jax.policy import LayerPolicy, choose_codecs, path_name
 from cgx_jax.reduction import plan_reduction
 from cgx_jax.seeds import phase_seeds, seed_bits
 from cgx_jax.validation import check_choice, check_codec
@@ -58,22 +58,6 @@ def _check_axis(leaf, axis: int, extra: int, name: str, path: str) -> int:
         raise ValueError(f"{name} must be an int in [{-ndim}, {ndim}) for {_leaf_name(path)} "
                          f"of shape {tuple(leaf.shape)}, got {axis!r}")
     return axis % ndim
-
-
-def _leaf_codecs(leaves, shapes, treedef, codec, policy, default: Codec):
-    """Each leaf's codec (None: exact), as ``compressed_psum`` decides it: ``codec`` for every
-    floating leaf, or ``policy`` per leaf, or neither: ``LayerPolicy(default=default)``
-    (small, 1-D and non-floating leaves exact). A policy decides on the whole parameter's
-    ``shapes`` (the gathered one), as ``cgx.summary`` shows it, not on a shard: a 4-way
-    sharded 128x128 weight is compressed."""
-    if codec is not None and policy is not None:
-        raise ValueError("pass codec= or policy=, not both")
-    if codec is not None:
-        check_codec(codec)
-        return [codec if is_compressible(leaf) else None for leaf in leaves]
-    policy = LayerPolicy(default=default) if policy is None else check_policy(policy)
-    whole = [jax.ShapeDtypeStruct(shape, leaf.dtype) for leaf, shape in zip(leaves, shapes)]
-    return policy.resolve_leaves(jax.tree_util.tree_unflatten(treedef, whole))
 
 
 def _need_key(codecs, key, paths, what: str) -> None:
@@ -144,9 +128,9 @@ def compressed_all_gather(x, axis_name, *, axis: int = 0, tiled: bool = False,
     paths = [path_name(p) for p, _ in flat_with_paths]
     axes = [_check_axis(leaf, axis, 0 if tiled else 1, "axis", path)
             for leaf, path in zip(leaves, paths)]
-    gathered = [jax.eval_shape(lambda v, a=a: _place_rows(jnp.stack([v] * num), a, tiled),
-                               leaf).shape for leaf, a in zip(leaves, axes)]
-    codecs = _leaf_codecs(leaves, gathered, treedef, codec, policy, WEIGHT_CODEC)
+    gathered = [_gathered_shape(leaf.shape, a, tiled, num) for leaf, a in zip(leaves, axes)]
+    codecs = choose_codecs(leaves, treedef, codec=codec, policy=policy,
+                           default=LayerPolicy(default=WEIGHT_CODEC), shapes=gathered)
     _need_key(codecs, key, paths, "compressed_all_gather's codec")
     compressed = [i for i, c in enumerate(codecs) if c is not None and leaves[i].size]
     out = [lax.all_gather(leaf, axis_name, axis=a, tiled=tiled)
@@ -158,6 +142,13 @@ def compressed_all_gather(x, axis_name, *, axis: int = 0, tiled: bool = False,
         for i, rows in zip(compressed, stacked):
             out[i] = _place_rows(rows, axes[i], tiled)
     return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _gathered_shape(shape, axis: int, tiled: bool, num: int) -> tuple:
+    """The shape ``lax.all_gather`` gives a shard of ``shape`` over ``num`` participants."""
+    if tiled:
+        return shape[:axis] + (shape[axis] * num,) + shape[axis + 1:]
+    return shape[:axis] + (num,) + shape[axis:]
 
 
 def _place_rows(rows, axis: int, tiled: bool):
@@ -262,8 +253,7 @@ def compressed_psum_scatter(x, axis_name, *, scatter_dimension: int = 0, tiled: 
                 f"scatter_dimension {dim} of {_leaf_name(path)} (shape {tuple(leaf.shape)}) must "
                 f"have size {want}, the size of axis {axis_name!r}"
                 f"{' (tiled=True)' if tiled else ' (tiled=False: one slice per participant)'}")
-    codecs = _leaf_codecs(leaves, [leaf.shape for leaf in leaves], treedef, codec, policy,
-                          GRADIENT_CODEC)
+    codecs = choose_codecs(leaves, treedef, codec=codec, policy=policy)
     _need_key(codecs, key, paths, what)
     compressed = [i for i, c in enumerate(codecs) if c is not None and leaves[i].size]
     out = [None] * len(leaves)
@@ -304,11 +294,9 @@ def _scatter_rows(rows, key, settings: _Settings):
     groups, _ = fusion.group_by_codec(rows, list(settings.codecs))
     bufs, seeds, packets = [], [], []
     for group, (codec, members) in enumerate(groups.items()):
-        pieces = [rows[i].reshape(num, -1).astype(jnp.float32) for i in members]
-        buf = jnp.concatenate([jnp.pad(p, ((0, 0), (0, padded_length(p.shape[1],
-                                                                      codec.bucket_size)
-                                                    - p.shape[1])), mode="edge")
-                               for p in pieces], axis=1)
+        pad = jax.vmap(lambda row, b=codec.bucket_size: pad_to_multiple(row, b))
+        buf = jnp.concatenate([pad(rows[i].reshape(num, -1).astype(jnp.float32))
+                               for i in members], axis=1)
         seed = _seed(key if codec.stochastic else None, group, axis_name)
         # The own row is summed raw, so it is not encoded (zero bytes on the wire).
         packets.append(backend.quantize_rows(buf, seed, codec, skip_row=index))
