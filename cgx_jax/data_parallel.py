@@ -35,7 +35,14 @@ from jax.sharding import AxisType, Mesh, PartitionSpec as P
 from cgx_jax import flax_compat
 from cgx_jax.api import reduce_leaves, warn_nothing_compressed
 from cgx_jax.collectives.jax_compat import reshard
-from cgx_jax.policy import LayerPolicy, check_policy, leaf_paths
+from cgx_jax.policy import (
+    LayerPolicy,
+    check_policy,
+    leaf_paths,
+    policy_of,
+    residual_shape,
+    with_residual,
+)
 from cgx_jax.trees import combine, is_array, is_differentiable, partition
 from cgx_jax.vma import local_value_and_grad
 
@@ -389,11 +396,15 @@ def _compressed_mean(call: _Call, grads, residual, specs):
         except (ValueError, TypeError) as error:
             raise ValueError(f"residual must have the gradients' structure (from "
                              f"cgx.init_residual): {error}") from None
-        for grad, res in zip(leaves, residual_leaves):
-            if res.shape != grad.shape:  # both stacked: one row per participant
-                raise ValueError(f"residual leaf of shape {res.shape} does not match its "
-                                 f"gradient's {grad.shape[1:]} with one row per participant "
-                                 f"of {axis_name!r} ({grad.shape})")
+        for path, grad, res, codec in zip(paths, leaves, residual_leaves, codecs):
+            want = (grad.shape[0], *residual_shape(codec, grad.shape[1:]))  # a row each
+            if res.shape != want:
+                raise ValueError(
+                    f"residual leaf {path!r} has shape {res.shape}; its gradient "
+                    f"{grad.shape[1:]} is {'compressed' if codec else 'exact'} under the "
+                    f"policy, so its residual is {want} (one row per participant of "
+                    f"{axis_name!r}): make it with cgx.init_residual(params, mesh=..., "
+                    f"axis_name=..., policy=grad_fn), grad_fn the value_and_grad function")
 
     if all(codec is None for codec in codecs) and policy.default is not None:
         warn_nothing_compressed(policy, params)
@@ -403,8 +414,7 @@ def _compressed_mean(call: _Call, grads, residual, specs):
         grads_in, residual_in = stacked[:len(leaves)], stacked[len(leaves):]
         local = [g[0] for g in grads_in]
         if residual_in:  # EF-SGD: what this participant's compression lost last step
-            local = [(g.astype(jnp.float32) + r[0]).astype(g.dtype)
-                     for g, r in zip(local, residual_in)]
+            local = [with_residual(g, r[0]) for g, r in zip(local, residual_in)]
         if key is None and any(c is not None and c.stochastic for c in codecs):
             raise ValueError(
                 "cgx.value_and_grad: pass step= (an integer array that changes every step, "
@@ -423,11 +433,14 @@ def _compressed_mean(call: _Call, grads, residual, specs):
                 with_loss=bool(residual_in), paths=[paths[i] for i in members])
             for j, i in enumerate(members):
                 reduced[i] = means[j]
-                lost[i] = None if errors is None else errors[j][None]
+                if residual_in:  # an exact leaf keeps its zero
+                    lost[i] = (errors[j][None] if codecs[i] is not None
+                               else residual_in[i])
         return tuple(reduced), (tuple(lost) if residual_in else ())
 
     key_spec = None if key is None else P()
-    residual_specs = tuple(in_specs) if residual_leaves else ()
+    residual_specs = tuple(spec if codec is not None else P(axis_name)  # a zero each
+                           for spec, codec in zip(in_specs, codecs)) if residual_leaves else ()
     mean, lost = jax.shard_map(
         reduce, mesh=mesh, in_specs=(key_spec, *in_specs, *residual_specs),
         out_specs=(tuple(specs), residual_specs))(key, *leaves, *residual_leaves)
@@ -448,22 +461,27 @@ def _noise_groups(specs, mesh) -> dict:
     return groups
 
 
-def init_residual(params, *, mesh: Mesh, axis_name: str, param_specs=None):
+def init_residual(params, *, mesh: Mesh, axis_name: str, param_specs=None, policy=None):
     """The zero error-feedback residual of ``cgx.value_and_grad(..., error_feedback=True)``
     for ``params`` (a pytree, an ``nnx.State``, or an NNX module, whose ``nnx.Param``s are
-    taken): f32, one row per participant of ``axis_name``, placed on ``mesh`` with the rows
-    split over ``axis_name`` and the rest sharded like each parameter (``param_specs`` or the
-    NNX sharding annotations), so no device holds another's residual or a full copy of a
-    model-sharded one. Save it with the optimizer state: a restored run continues bit for
-    bit.
+    taken): f32, one row per participant of ``axis_name`` for each leaf that ``policy``
+    compresses (the ``value_and_grad`` function, or its ``LayerPolicy``; default
+    ``LayerPolicy()``), and one zero per participant for each exact leaf, which loses
+    nothing. Placed on ``mesh`` with the rows split over ``axis_name`` and the rest sharded
+    like each parameter (``param_specs`` or the NNX sharding annotations), so no device holds
+    another's residual or a full copy of a model-sharded one. Save it with the optimizer
+    state: a restored run continues bit for bit.
 
     Example:
         >>> import jax, jax.numpy as jnp, cgx_jax as cgx
         >>> mesh = jax.make_mesh((len(jax.devices()),), ("data",))
-        >>> r = cgx.init_residual({"w": jnp.ones((4, 4))}, mesh=mesh, axis_name="data")
+        >>> params = {"w": jnp.ones((128, 128)), "b": jnp.ones(128)}  # w compressed, b exact
+        >>> r = cgx.init_residual(params, mesh=mesh, axis_name="data")
         >>> from jax.sharding import PartitionSpec as P
-        >>> r["w"].shape == (len(jax.devices()), 4, 4), r["w"].sharding.spec == P("data")
+        >>> r["w"].shape == (len(jax.devices()), 128, 128), r["w"].sharding.spec == P("data")
         (True, True)
+        >>> r["b"].shape == (len(jax.devices()), 1)  # an exact leaf loses nothing: one zero
+        True
     """
     if flax_compat.is_module(params):
         nnx = flax_compat.nnx()
@@ -472,9 +490,12 @@ def init_residual(params, *, mesh: Mesh, axis_name: str, param_specs=None):
     rows = mesh.shape[axis_name]
     specs = _leaf_specs(params, param_specs, axis_name)
     treedef = jax.tree_util.tree_structure(params)
-    zeros = [jax.device_put(jnp.zeros((rows, *jnp.shape(p)), jnp.float32),
-                            jax.sharding.NamedSharding(mesh, P(axis_name, *spec)))
-             for p, spec in zip(jax.tree_util.tree_leaves(params), specs)]
+    codecs = (LayerPolicy() if policy is None else policy_of(policy)).resolve_leaves(params)
+    zeros = [jax.device_put(jnp.zeros((rows, *residual_shape(codec, jnp.shape(p))),
+                                      jnp.float32),
+                            jax.sharding.NamedSharding(mesh, P(axis_name, *spec)
+                                                       if codec is not None else P(axis_name)))
+             for p, spec, codec in zip(jax.tree_util.tree_leaves(params), specs, codecs)]
     return jax.tree_util.tree_unflatten(treedef, zeros)
 
 

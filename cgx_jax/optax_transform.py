@@ -22,7 +22,13 @@ from cgx_jax import flax_compat
 from cgx_jax.adaptive import schedule
 from cgx_jax.api import reduce_tree, reduce_tree_with_loss
 from cgx_jax.axes import axis_tuple
-from cgx_jax.policy import LayerPolicy, check_policy, leaf_paths
+from cgx_jax.policy import (
+    LayerPolicy,
+    check_policy,
+    leaf_paths,
+    residual_shape,
+    with_residual,
+)
 from cgx_jax.vma import check_local
 
 
@@ -30,8 +36,9 @@ class CompressedAllReduceState(NamedTuple):
     """``key``: raw ``uint32[2]`` PRNG key, split every step (fresh, reproducible stochastic
     rounding noise; a plain array, so it checkpoints like any optimizer state).
     ``residual``: with error feedback, what the last step's local compression lost: a pytree
-    of f32 arrays of shape ``(1, *gradient_shape)``, one row per participant, so under
-    ``shard_map`` it is sharded over the data axis (``state_specs``/``shard_state``) and
+    of f32 arrays of shape ``(1, *gradient_shape)`` for the leaves the policy compresses
+    (``(1, 1)``, one zero, for the exact ones, which lose nothing), one row per participant,
+    so under ``shard_map`` it is sharded over the data axis (``state_specs``/``shard_state``) and
     every participant's residual is saved in a checkpoint; ``None`` without it.
     ``adaptive``: with ``adaptive=``, the ``AdaptiveState`` (error statistics for
     ``cgx.refit_policy``); ``None`` without it."""
@@ -97,8 +104,12 @@ def compressed_allreduce(axis_name, *, policy: LayerPolicy | None = None, mean: 
                         f"{type(adaptive).__name__}")
 
     def init_fn(params):
-        residual = (jax.tree.map(lambda p: jnp.zeros((1, *jnp.shape(p)), jnp.float32), params)
-                    if error_feedback else None)
+        residual = None
+        if error_feedback:  # a row for the leaves the policy compresses, a zero for the rest
+            leaves, treedef = jax.tree.flatten(params)
+            residual = jax.tree.unflatten(treedef, [
+                jnp.zeros((1, *residual_shape(codec, jnp.shape(p))), jnp.float32)
+                for p, codec in zip(leaves, policy.resolve_leaves(params))])
         stats = (None if adaptive is None
                  else schedule.init_adaptive_state(params, adaptive, policy))
         return CompressedAllReduceState(key=jax.random.PRNGKey(seed), residual=residual,
@@ -110,9 +121,8 @@ def compressed_allreduce(axis_name, *, policy: LayerPolicy | None = None, mean: 
         # Before the residual is added: a varying residual would hide reduced gradients.
         check_local(updates, axis_name, leaf_paths(updates), "compressed_allreduce")
         if error_feedback:
-            updates = jax.tree.map(
-                lambda g, r: (g.astype(jnp.float32) + r[0]).astype(g.dtype), updates,
-                state.residual)
+            updates = jax.tree.map(lambda g, r: with_residual(g, r[0]), updates,
+                                   state.residual)
         stats = (None if adaptive is None else schedule.update_adaptive_state(
             state.adaptive, updates, axis_name, adaptive, policy))
         settings = dict(policy=policy, key=step_key, algorithm=algorithm, backend=backend,
@@ -121,7 +131,10 @@ def compressed_allreduce(axis_name, *, policy: LayerPolicy | None = None, mean: 
             return reduce_tree(updates, axis_name, **settings), CompressedAllReduceState(
                 key, None, stats)
         reduced, lost = reduce_tree_with_loss(updates, axis_name, **settings)
-        residual = jax.tree.map(lambda r: r[None], lost)
+        # The residual keeps init's layout: a leaf the policy kept exact at init (or an
+        # adaptive policy has since compressed) keeps its zero.
+        residual = jax.tree.map(lambda loss, r: loss[None] if r.shape[1:] == loss.shape else r,
+                                lost, state.residual)
         return reduced, CompressedAllReduceState(key, residual, stats)
 
     transform = CompressedAllReduce(init_fn, update_fn)
@@ -195,8 +208,8 @@ def shard_state(state, mesh: Mesh, axis_name):
         >>> from jax.sharding import Mesh
         >>> mesh = Mesh(np.array(jax.devices()), ("batch",))
         >>> tx = cgx.compressed_allreduce("batch", error_feedback=True)
-        >>> state = cgx.shard_state(tx.init({"w": jnp.zeros((4, 4))}), mesh, "batch")
-        >>> state.residual["w"].shape == (len(jax.devices()), 4, 4)
+        >>> state = cgx.shard_state(tx.init({"w": jnp.zeros((128, 128))}), mesh, "batch")
+        >>> state.residual["w"].shape == (len(jax.devices()), 128, 128)
         True
     """
     _refuse_nnx_optimizer(state, "shard_state")

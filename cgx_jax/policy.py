@@ -186,6 +186,27 @@ def choose_codecs(leaves, treedef, *, codec=None, policy=None, default=None,
     return policy.resolve_leaves(jax.tree_util.tree_unflatten(treedef, leaves))
 
 
+def residual_shape(codec: Codec | None, shape) -> tuple:
+    """The error-feedback residual's shape for one participant and one leaf: the leaf's shape
+    where ``codec`` compresses it, ``(1,)`` where it is exact: an exact leaf loses nothing, so
+    one zero keeps the residual tree the gradients' structure (not an empty array: Orbax
+    refuses to save those).
+
+    Example:
+        >>> residual_shape(Codec(bits=4), (64, 32)), residual_shape(None, (64,))
+        ((64, 32), (1,))
+    """
+    return tuple(shape) if codec is not None else (1,)
+
+
+def with_residual(grad, residual_row):
+    """``grad`` plus this participant's residual row (f32 sums, the gradient's dtype back);
+    ``grad`` unchanged where the residual is an exact leaf's one zero."""
+    if jnp.shape(residual_row) != jnp.shape(grad):
+        return grad
+    return (grad.astype(jnp.float32) + residual_row).astype(grad.dtype)
+
+
 def leaf_wire_bytes(codec: Codec | None, leaf) -> int:
     """Bytes one participant sends for ``leaf``: its packet padded to whole buckets (as in the
     fused buffer) under ``codec``, its own dtype's size when exact (``codec`` None)."""

@@ -337,9 +337,19 @@ def test_error_feedback_residual_is_per_participant_and_sharded_like_its_paramet
         # 2-bit compression loses something on every participant, differently on each.
         assert float(jnp.max(jnp.abs(new_kernel))) > 0
         assert not np.array_equal(np.asarray(new_kernel[0]), np.asarray(new_kernel[1]))
-        assert float(jnp.max(jnp.abs(new["bias"][...]))) == 0  # exact leaf: nothing lost
+        # An exact leaf loses nothing: one zero per participant, not a copy of the leaf.
+        assert new["bias"][...].shape == (2, 1)
+        assert float(jnp.max(jnp.abs(new["bias"][...]))) == 0
         with pytest.raises(ValueError, match="pass residual="):
             nnx.jit(lambda m, x, y: grad_fn(m, x, y, step=jnp.int32(0)))(model, x, y)
+        # A residual made for another policy: a clear error naming the fix, not garbage.
+        every_leaf = cgx.value_and_grad(nnx_loss, mesh=mesh, axis_name="data",
+                                        error_feedback=True, policy=cgx.LayerPolicy(
+                                            default=cgx.Codec(bits=2), min_size=1, min_ndim=1))
+        with pytest.raises(ValueError, match=r"residual leaf '0/bias' has shape \(2, 1\).*"
+                                             r"policy=grad_fn"):
+            nnx.jit(lambda m, x, y, r: every_leaf(m, x, y, step=jnp.int32(0), residual=r))(
+                model, x, y, residual)
 
 
 def test_error_feedback_is_bit_for_bit_compressed_allreduces(cpu_devices):
@@ -373,7 +383,7 @@ def test_error_feedback_is_bit_for_bit_compressed_allreduces(cpu_devices):
         return optax.apply_updates(params, updates), state
 
     got, opt_state = params, sgd.init(params)
-    residual = cgx.init_residual(params, mesh=mesh, axis_name="data")
+    residual = cgx.init_residual(params, mesh=mesh, axis_name="data", policy=grad_fn)
     want = params
     for _ in range(5):
         got, opt_state, residual = step(got, opt_state, residual, x, y)

@@ -200,7 +200,7 @@ def test_an_equinox_model_works_as_it_is(cpu_devices):
     # Compressed, with error feedback: the residual holds the arrays only.
     grad_fn = cgx.value_and_grad(loss, mesh=mesh, axis_name="batch", error_feedback=True,
                                  policy=cgx.LayerPolicy(default=cgx.Codec(bits=8)))
-    residual = cgx.init_residual(model, mesh=mesh, axis_name="batch")
+    residual = cgx.init_residual(model, mesh=mesh, axis_name="batch", policy=grad_fn)
     assert jax.tree.structure(residual) == jax.tree.structure(want)
     table = cgx.summary(grad_fn, model)
     assert "layers/0/weight" in table and "activation" not in table, table

@@ -62,7 +62,8 @@ def test_replicas_identical_and_every_shard_its_own_noise(cpu_devices, shape, er
                                  error_feedback=error_feedback)
     step = jax.jit(grad_fn)
     extra = {"residual": cgx.init_residual(params, mesh=mesh, axis_name="data",
-                                           param_specs=specs)} if error_feedback else {}
+                                           param_specs=specs, policy=grad_fn)
+             } if error_feedback else {}
     _, exact = jax.value_and_grad(column_constant_loss)(params, x)
     for number in range(2):
         out = step(params, x, step=jnp.int32(number), **extra)
@@ -146,7 +147,7 @@ def cgx_step(mesh, error_feedback, has_aux=False, loss=bn_loss):
         return nnx.jit(lambda m, x, s: grad_fn(m, x, step=s)[:2])
 
     def run(model, x, step):
-        residual = cgx.init_residual(model, mesh=mesh, axis_name="data")
+        residual = cgx.init_residual(model, mesh=mesh, axis_name="data", policy=grad_fn)
         return nnx.jit(lambda m, x, s, r: grad_fn(m, x, step=s, residual=r)[:2])(
             model, x, step, residual)
     return run

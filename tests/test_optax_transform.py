@@ -89,7 +89,16 @@ def test_error_feedback_removes_the_bias_of_2_bit_nearest_rounding(exact_run):
     residual = state[0].residual
     assert jax.tree.structure(residual) == jax.tree.structure(replicate(init_params()))
     assert float(jnp.max(jnp.abs(residual["dense1"]["kernel"]))) > 0  # compressed: some loss
-    assert float(jnp.max(jnp.abs(residual["dense1"]["bias"]))) == 0  # exact leaf: none
+    kernel = residual["dense1"]["kernel"]
+    assert kernel.shape == (NUM_DEVICES, 1, *init_params()["dense1"]["kernel"].shape)
+    # An exact leaf loses nothing, so it keeps one zero per participant.
+    assert residual["dense1"]["bias"].shape == (NUM_DEVICES, 1, 1)
+    assert float(jnp.max(jnp.abs(residual["dense1"]["bias"]))) == 0
+    params = init_params()
+    compressed = [p.size for p, codec in zip(jax.tree.leaves(params),
+                                             nearest.resolve_leaves(params)) if codec]
+    assert sum(leaf.size for leaf in jax.tree.leaves(residual)) == NUM_DEVICES * (
+        sum(compressed) + len(jax.tree.leaves(params)) - len(compressed))
 
 
 def test_same_seed_same_result_and_replicas_identical():
