@@ -19,6 +19,7 @@ from cgx_jax.optax_transform import (
     shard_state,
     state_specs,
 )
+from cgx_jax.planner import LinkProfile, estimate
 from cgx_jax.policy import LayerPolicy, leaf_paths, summary, tree_wire_bytes
 from cgx_jax.sharded import compressed_all_gather, compressed_psum_scatter
 from cgx_jax.vma import local_value_and_grad
@@ -31,6 +32,7 @@ __all__ = [
     "CompressedAllReduceState",
     "ErrorTable",
     "LayerPolicy",
+    "LinkProfile",
     "ProcessesDisagreeError",
     "compressed_all_gather",
     "compressed_allreduce",
@@ -38,6 +40,7 @@ __all__ = [
     "compressed_psum",
     "compressed_psum_scatter",
     "dequantize",
+    "estimate",
     "fit_policy",
     "has_cuda_support",
     "init_residual",

@@ -1,14 +1,16 @@
-"""``python -m cgx_jax.bench kernels|allreduce [options]``: runs one benchmark."""
+"""``python -m cgx_jax.bench kernels|allreduce|link|train [options]``: runs one benchmark."""
 
 from __future__ import annotations
 
 import sys
 
-USAGE = """usage: python -m cgx_jax.bench {kernels,allreduce,train} [options]
+USAGE = """usage: python -m cgx_jax.bench {kernels,allreduce,link,train} [options]
 
   kernels     quantize / dequantize / reduce_requantize throughput against a copy
   allreduce   psum vs bf16 psum vs compressed_psum across N processes on an emulated
               (netns + tc) link
+  link        what decides whether compression pays here (exact and compressed all-reduce
+              of a few sizes across N processes), fitted and written for cgx.estimate
   train       data-parallel training steps (exact pmean vs cgx) across N processes on an
               emulated link: s/step, the no-all-reduce floor, wire bytes, loss
 
@@ -24,6 +26,9 @@ def main(argv=None) -> int:
     if command == "allreduce":
         from cgx_jax.bench import allreduce
         return allreduce.main(rest)
+    if command == "link":
+        from cgx_jax.bench import link
+        return link.main(rest)
     if command == "train":
         from cgx_jax.bench import train
         return train.main(rest)

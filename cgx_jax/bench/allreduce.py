@@ -86,7 +86,7 @@ def leaf_sizes(layout: str, size: int) -> list[int]:
     return sizes + [size - sum(sizes)]
 
 
-def _worker(args) -> None:
+def worker(args) -> None:
     from cgx_jax import launch as _launch
 
     if args.coordinator:
@@ -508,7 +508,7 @@ def _worker_arguments(args, out: str, coordinator: str | None, kind: str = "--wo
     return cmd
 
 
-def _run_link(args, link: str, use_torch: bool, tmp: str) -> tuple[int, list[dict], str]:
+def run_link(args, link: str, use_torch: bool, tmp: str) -> tuple[int, list[dict], str]:
     """Builds the network for one link rate (or none), runs the JAX workers and the torch
     peers in it, and tears it down whatever happens; returns (exit code, rows, note)."""
     from cgx_jax.launch import free_port, launch
@@ -567,7 +567,7 @@ def run(args) -> int:
                      and args.devices_per_process == 1)
     start = time.monotonic()
     code, rows, notes = run_links("allreduce", args.link,
-                                  lambda link, tmp: _run_link(args, link, use_torch, tmp))
+                                  lambda link, tmp: run_link(args, link, use_torch, tmp))
     if code != 0 or not rows:
         print(f"cgx_jax.bench allreduce: workers failed (exit code {code})", file=sys.stderr)
         return code or 1
@@ -593,7 +593,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     args.argv = argv
     if args.worker:
-        _worker(args)
+        worker(args)
         return 0
     if args.torch_worker:
         _torch_worker(args)
