@@ -9,14 +9,16 @@ missing values as its last one); the other leaves are packed into one more segme
 Packing flattens each leaf and pads it to whole buckets (so no bucket mixes two layers'
 scales), concatenates the pieces and pads the segment to what the algorithm needs.
 
-Exact leaves travel fused too (``reduce_exact``): the small ones share one flat buffer per
-dtype, so the exact collective has a few operands instead of one per bias and norm.
+Exact leaves travel fused too across CPU processes (``reduce_exact``): the small ones share
+one flat buffer per dtype, so the exact collective has a few operands instead of one per
+bias and norm.
 """
 
 from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 
 from cgx_jax.codec import Codec, pad_to_multiple, padded_length
@@ -130,17 +132,27 @@ def unpack(buf, shapes, bucket_size: int) -> list:
     return out
 
 
-# Exact leaves below this many values share a buffer. XLA:CPU runs an all-reduce of many
-# operands as one collective per operand, each paying the link's latency: the 54 biases and
-# norms of a ViT (47K values) took 428 ms as 54 operands and 12 ms as one buffer across 4
-# processes at 1 Gbit/s. Larger leaves go as they are: their copy in and out would cost more
-# than the one latency they save.
+# Exact leaves below this many values share a buffer where that pays (exact_fusion_pays).
+# XLA:CPU runs an all-reduce of many operands across processes as one Gloo collective per
+# operand, each paying the link's latency: the 54 biases and norms of a ViT (47K values)
+# took 428 ms as 54 operands and 12 ms as one buffer across 4 processes at 1 Gbit/s. Larger
+# leaves go as they are: their copy in and out would cost more than the one latency they
+# save.
 EXACT_FUSE_MAX_VALUES = 1 << 20
 
 
-def reduce_exact(reduce, leaves, axes) -> list:
-    """``reduce(leaves, axes)`` (``lax.psum`` or ``lax.pmean``) with the leaves of fewer than
-    ``EXACT_FUSE_MAX_VALUES`` values concatenated into one flat buffer per dtype and
+def exact_fusion_pays() -> bool:
+    """Whether small exact leaves share one buffer: only across CPU processes, where each
+    operand of an all-reduce pays a network latency. In one process that cost is nil (and
+    on GPUs one all-reduce carries all its operands), while unpacking the buffer costs a
+    copy kernel per leaf to compile: a 124-leaf model's step compiled in 1.46x the time of
+    its ``lax.pmean`` step with the buffer, 1.03x without (docs/performance.md)."""
+    return jax.process_count() > 1 and jax.default_backend() == "cpu"
+
+
+def reduce_exact(reduce, leaves, axes, fuse: bool = True) -> list:
+    """``reduce(leaves, axes)`` (``lax.psum`` or ``lax.pmean``); with ``fuse``, the leaves of
+    fewer than ``EXACT_FUSE_MAX_VALUES`` values concatenated into one flat buffer per dtype and
     varying-axes type, so the collective gets one operand per buffer; an empty leaf's sum is
     empty and skips the collective (jax 0.11's XLA:CPU crashes compiling an all-reduce of
     zero elements beside other outputs). Returns the reduced leaves in order. In one process
@@ -159,7 +171,7 @@ def reduce_exact(reduce, leaves, axes) -> list:
     for i, leaf in enumerate(leaves):
         if leaf.size == 0:
             out[i] = jnp.zeros(leaf.shape, leaf.dtype)
-        elif leaf.size < EXACT_FUSE_MAX_VALUES:
+        elif fuse and leaf.size < EXACT_FUSE_MAX_VALUES:
             operands.setdefault((leaf.dtype, varying_axes(leaf)), []).append(i)
         else:
             operands[("alone", i)] = [i]

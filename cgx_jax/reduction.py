@@ -6,7 +6,7 @@ which leaves are exact, how the leaves sharing a codec are fused into segments
 one set of collectives. It runs no JAX operation, so a plan can be inspected and tested as
 it is. ``run_plan`` then packs the segments, draws their noise (``cgx_jax.seeds``), runs the
 collectives (``cgx_jax.collectives``) and unpacks the sums, and reduces the exact leaves
-through one fused ``lax.psum``.
+through one ``lax.psum`` (their small ones fused into a buffer across CPU processes).
 """
 
 from __future__ import annotations
@@ -140,7 +140,8 @@ def run_plan(plan: ReductionPlan, leaves, axis_name, *, key, backend: str,
     if plan.exact:
         reduce_exact = lax.pmean if plan.mean else lax.psum
         for i, value in zip(plan.exact, fusion.reduce_exact(
-                reduce_exact, [leaves[i] for i in plan.exact], all_axes)):
+                reduce_exact, [leaves[i] for i in plan.exact], all_axes,
+                fuse=fusion.exact_fusion_pays())):
             out[i] = value
     if not plan.segments:
         return out, lost

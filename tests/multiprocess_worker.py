@@ -246,6 +246,9 @@ def main(out_dir: str, mode: str) -> None:
             json.dump(digests, f)
         print(f"process {rank}: wrote {len(digests)} digests", flush=True)
         return
+    from cgx_jax import fusion
+    # Across CPU processes small exact leaves share one all-reduce operand (one latency).
+    assert fusion.exact_fusion_pays(), "exact leaves are not fused across CPU processes"
     results = dict(compute(flat_mesh(devices), False))
     if mode == "hier":
         results.update(compute(hier_mesh(devices, num_processes), True))

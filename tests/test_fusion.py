@@ -193,8 +193,15 @@ def exact_tree(num_devices, rng):
             "big_exact": draw((fusion.EXACT_FUSE_MAX_VALUES,), np.float32)}
 
 
+@pytest.fixture(params=[True, False], ids=["fused", "unfused"])
+def exact_fusion(request, monkeypatch):
+    """Both ways exact leaves travel: fused (across CPU processes) and one operand each."""
+    monkeypatch.setattr(fusion, "exact_fusion_pays", lambda: request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("mean", [False, True])
-def test_exact_leaves_fused_match_psum_bitwise(mean):
+def test_exact_leaves_fused_match_psum_bitwise(mean, exact_fusion):
     tree = exact_tree(4, np.random.default_rng(7))
     reduce = cgx.compressed_pmean if mean else cgx.compressed_psum
     with pytest.warns(UserWarning, match=NOTHING_COMPRESSED):  # default policy: all exact
@@ -209,9 +216,11 @@ def test_exact_leaves_fused_match_psum_bitwise(mean):
         np.testing.assert_array_equal(np.asarray(leaf), np.asarray(value), err_msg=str(path))
 
 
-def test_exact_leaves_travel_as_one_operand_per_dtype():
-    """The exact all-reduce gets one operand per dtype plus one per leaf above the limit,
-    not one per leaf (XLA:CPU runs each operand as its own collective)."""
+def test_exact_leaves_travel_as_one_operand_per_dtype_across_cpu_processes(exact_fusion):
+    """Fused (across CPU processes, where XLA:CPU runs each operand as its own collective):
+    one operand per dtype plus one per leaf above the limit, not one per leaf. Unfused (one
+    process, GPUs: no latency per operand, and each unpacked leaf would be a copy kernel to
+    compile): one operand per leaf."""
     tree = jax.tree.map(lambda v: v[0], exact_tree(1, np.random.default_rng(0)))
     mesh = cpu_mesh(4)
     f = jax.jit(jax.shard_map(lambda t: cgx.compressed_psum(t, "batch"), mesh=mesh,
@@ -220,10 +229,15 @@ def test_exact_leaves_travel_as_one_operand_per_dtype():
     # JAX lowers each operand as its own all_reduce: f32, bf16 and int32 buffers and the large
     # f32 leaf alone, against 9 for the 9 leaves.
     with pytest.warns(UserWarning, match=NOTHING_COMPRESSED):
-        assert f.lower(tree).as_text().count("stablehlo.all_reduce") == 4
+        assert f.lower(tree).as_text().count("stablehlo.all_reduce") == (4 if exact_fusion
+                                                                          else 9)
 
 
-def test_exact_fusion_keeps_each_leafs_varying_axes():
+def test_exact_leaves_are_fused_only_across_cpu_processes():
+    assert not fusion.exact_fusion_pays()  # this test process: one process, 8 CPU devices
+
+
+def test_exact_fusion_keeps_each_leafs_varying_axes(exact_fusion):
     """Under shard_map with check_vma, a leaf varying over fewer mesh axes than another is not
     fused with it, so its sum keeps its type (invariant over the axes it did not vary over)."""
     mesh = cpu_mesh(4, ("batch", "model"), (2, 2))

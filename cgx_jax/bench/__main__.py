@@ -1,14 +1,15 @@
-"""``python -m cgx_jax.bench kernels|allreduce|link|train [options]``: runs one benchmark."""
+"""``python -m cgx_jax.bench COMMAND [options]``: runs one benchmark."""
 
 from __future__ import annotations
 
 import sys
 
-USAGE = """usage: python -m cgx_jax.bench {kernels,allreduce,link,train} [options]
+USAGE = """usage: python -m cgx_jax.bench {kernels,allreduce,compile,link,train} [options]
 
   kernels     quantize / dequantize / reduce_requantize throughput against a copy
   allreduce   psum vs bf16 psum vs compressed_psum across N processes on an emulated
               (netns + tc) link
+  compile     trace + compile time of one training step, exact vs cgx (simulated devices)
   link        what decides whether compression pays here (exact and compressed all-reduce
               of a few sizes across N processes), fitted and written for cgx.estimate
   train       data-parallel training steps (exact pmean vs cgx) across N processes on an
@@ -26,6 +27,9 @@ def main(argv=None) -> int:
     if command == "allreduce":
         from cgx_jax.bench import allreduce
         return allreduce.main(rest)
+    if command == "compile":
+        from cgx_jax.bench import compile as compile_bench
+        return compile_bench.main(rest)
     if command == "link":
         from cgx_jax.bench import link
         return link.main(rest)
