@@ -136,6 +136,8 @@ def main(argv=None) -> int:
     p.add_argument("--subnet", default="10.214.0")
     p.add_argument("--netns-prefix", default=NS_PREFIX)
     args = p.parse_args(argv)
+    if args.repeats < 1:
+        p.error(f"--repeats must be at least 1, got {args.repeats}")
     if len(set(args.sizes)) < 2:
         p.error(f"--sizes needs two different sizes or more to fit a line, got {args.sizes}")
     if args.launched:
