@@ -201,7 +201,13 @@ def residual_shape(codec: Codec | None, shape) -> tuple:
 
 def with_residual(grad, residual_row):
     """``grad`` plus this participant's residual row (f32 sums, the gradient's dtype back);
-    ``grad`` unchanged where the residual is an exact leaf's one zero."""
+    ``grad`` unchanged where the residual is an exact leaf's one zero.
+
+    Example:
+        >>> with_residual(jnp.ones(3), jnp.full(3, 0.5)).tolist(), with_residual(
+        ...     jnp.ones(3), jnp.zeros(1)).tolist()
+        ([1.5, 1.5, 1.5], [1.0, 1.0, 1.0])
+    """
     if jnp.shape(residual_row) != jnp.shape(grad):
         return grad
     return (grad.astype(jnp.float32) + residual_row).astype(grad.dtype)
