@@ -222,6 +222,9 @@ def estimate(tree, link, *, policies: dict | None = None,
     """
     profile = link if isinstance(link, LinkProfile) else LinkProfile.load(link)
     policies = default_policies() if policies is None else dict(policies)
+    if not policies:
+        raise ValueError("policies must name at least one cgx.LayerPolicy, got none "
+                         "(None compares the defaults: 8, 4 and 2 bits)")
     for name, policy in policies.items():
         check_policy(policy, f"policies[{name!r}]")
     leaves = [leaf for leaf in jax.tree_util.tree_leaves(tree) if is_compressible(leaf)]

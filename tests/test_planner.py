@@ -156,6 +156,8 @@ def test_estimate_takes_a_saved_profile_and_refuses_bad_policies(tmp_path):
     assert e.pays and "of a" in e.advice  # the saving as a share of the whole step
     with pytest.raises(TypeError, match=r"policies\['x'\] must be a cgx_jax.LayerPolicy"):
         cgx.estimate(MLP, path, policies={"x": cgx.Codec()})
+    with pytest.raises(ValueError, match="at least one"):
+        cgx.estimate(MLP, path, policies={})
 
 
 def test_bench_link_writes_a_profile_across_processes(tmp_path):
