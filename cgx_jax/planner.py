@@ -227,14 +227,14 @@ def estimate(tree, link, *, policies: dict | None = None,
                          "(None compares the defaults: 8, 4 and 2 bits)")
     for name, policy in policies.items():
         check_policy(policy, f"policies[{name!r}]")
-    leaves = [leaf for leaf in jax.tree_util.tree_leaves(tree) if is_compressible(leaf)]
-    f32_bytes = sum(4 * math.prod(leaf.shape) for leaf in leaves)
-    exact = profile.exact_seconds(f32_bytes, len(leaves))  # lax.psum of the gradient tree
+    leaves = jax.tree_util.tree_leaves(tree)
+    floating = [is_compressible(leaf) for leaf in leaves]  # what a gradient all-reduce sends
+    f32_bytes = sum(4 * math.prod(leaf.shape) for leaf, f in zip(leaves, floating) if f)
+    exact = profile.exact_seconds(f32_bytes, sum(floating))  # lax.psum of the gradient tree
     rows = []
     for name, policy in policies.items():
-        codecs = policy.resolve_leaves(tree)
-        chosen = [(codec, leaf) for codec, leaf in zip(codecs, jax.tree_util.tree_leaves(tree))
-                  if is_compressible(leaf)]
+        chosen = [(codec, leaf) for codec, leaf, f in zip(policy.resolve_leaves(tree), leaves,
+                                                          floating) if f]
         wire = sum(wire_bytes(math.prod(leaf.shape), c) for c, leaf in chosen if c is not None)
         values = sum(math.prod(leaf.shape) for c, leaf in chosen if c is not None)
         exact_bytes = sum(4 * math.prod(leaf.shape) for c, leaf in chosen if c is None)

@@ -41,12 +41,13 @@ import time
 from cgx_jax.bench.common import (
     add_report_arguments,
     add_worker_arguments,
+    check_network_arguments,
     cpu_description,
     parse_size,
     run_links,
     size_label,
 )
-from cgx_jax.netem import argument_problem, parse_rate, shaped_network
+from cgx_jax.netem import parse_rate, shaped_network
 
 NS_PREFIX = "cgxbench"
 PORT = 23456
@@ -602,13 +603,9 @@ def main(argv=None) -> int:
         with open(args.from_json) as f:
             write_reports(json.load(f), args)
         return 0
-    if args.processes < 2:
-        parser.error(f"--processes must be at least 2, got {args.processes}")
     if args.devices_per_process < 1:
         parser.error(f"--devices-per-process must be at least 1, got {args.devices_per_process}")
-    problem = argument_problem(args.link, args.netns_prefix, args.subnet)
-    if problem:
-        parser.error(problem)
+    check_network_arguments(parser, args)
     for layout in args.layouts:
         for size in args.sizes:
             try:

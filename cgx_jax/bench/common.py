@@ -114,6 +114,18 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--coordinator", default=None, help=argparse.SUPPRESS)
 
 
+def check_network_arguments(parser: argparse.ArgumentParser, args) -> None:
+    """``parser.error`` unless ``--processes`` is at least 2 and ``--link``, ``--netns-prefix``
+    and ``--subnet`` can build the benchmark's network (``cgx_jax.netem.argument_problem``)."""
+    from cgx_jax.netem import argument_problem
+
+    if args.processes < 2:
+        parser.error(f"--processes must be at least 2, got {args.processes}")
+    problem = argument_problem(args.link, args.netns_prefix, args.subnet)
+    if problem:
+        parser.error(problem)
+
+
 class Terminated(Exception):
     """SIGTERM or SIGHUP, raised so that every ``with shaped_network(...)`` unwinds."""
 

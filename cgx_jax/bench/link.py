@@ -30,13 +30,13 @@ import sys
 from cgx_jax.bench import allreduce
 from cgx_jax.bench.common import (
     add_worker_arguments,
+    check_network_arguments,
     cpu_description,
     parse_size,
     run_links,
     size_label,
 )
 from cgx_jax.codec import Codec, wire_bytes
-from cgx_jax.netem import argument_problem
 from cgx_jax.planner import fit_profile
 
 SIZES = (1 << 18, 1 << 20, 1 << 22, 1 << 24)  # 256K to 16M values: latency to bandwidth
@@ -142,11 +142,7 @@ def main(argv=None) -> int:
         p.error(f"--sizes needs two different sizes or more to fit a line, got {args.sizes}")
     if args.launched:
         return _run_launched(args)
-    if args.processes < 2:
-        p.error(f"--processes must be at least 2, got {args.processes}")
-    problem = argument_problem(args.link, args.netns_prefix, args.subnet)
-    if problem:
-        p.error(problem)
+    check_network_arguments(p, args)
     return _run_here(args)
 
 

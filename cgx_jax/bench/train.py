@@ -48,10 +48,11 @@ import time
 from cgx_jax.bench.common import (
     add_report_arguments,
     add_worker_arguments,
+    check_network_arguments,
     cpu_description,
     run_links,
 )
-from cgx_jax.netem import argument_problem, shaped_network
+from cgx_jax.netem import shaped_network
 
 NS_PREFIX = "cgxtrain"
 PORT = 23476
@@ -522,16 +523,12 @@ def main(argv=None) -> int:
         with open(args.from_json) as f:
             write_reports(json.load(f), args)
         return 0
-    if args.processes < 2:
-        p.error(f"--processes must be at least 2, got {args.processes}")
     for name in ("batch", "repeats", "mlp_hidden"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.warmup < 0:
         p.error(f"--warmup must be at least 0, got {args.warmup}")
-    problem = argument_problem(args.link, args.netns_prefix, args.subnet)
-    if problem:
-        p.error(problem)
+    check_network_arguments(p, args)
     return run(args)
 
 
