@@ -9,7 +9,14 @@ a compressed all-reduce is first compiled in a multi-process run, ``check_proces
 publishes this process's settings in ``jax.distributed``'s key-value store, reads every other
 process's, and raises ``ProcessesDisagreeError`` on every process, naming the settings that
 differ and each process's value, before any byte moves. It runs once per trace: a compiled
-step costs nothing more, and a single process skips it.
+step costs nothing more, and a single process skips it. The compressed all-reduce, all-gather
+and reduce-scatter all run it.
+
+The key-value store lives in process 0 (``jax.distributed``'s coordination service), and a
+script that meets the error usually ends at once, taking the store with it. So before
+process 0 raises it waits until every other process has read all the settings (each says so
+under ``.../read/<process>``): every process names the differing setting, none reports a
+peer "gone".
 """
 
 from __future__ import annotations
@@ -26,6 +33,9 @@ from cgx_jax.collectives.jax_compat import distributed_client
 # How long a process waits for the others to reach the same compressed all-reduce (they
 # may compile or load data at different speeds).
 WAIT_SECONDS = 300.0
+# How long process 0 waits, before raising, for the others to have read every setting (they
+# are past their own wait, so only reading remains).
+READ_WAIT_SECONDS = 60.0
 
 _calls = itertools.count()  # the n-th check of this process meets the n-th of the others
 
@@ -64,6 +74,7 @@ def check_processes_agree(settings: dict, what: str = "compressed all-reduce") -
         everyone[rank] = json.loads(value)
     differing = describe_differences(everyone)
     if differing:
+        _wait_until_all_have_read(client, f"cgx_jax/processes_agree/{call}/read", me)
         raise ProcessesDisagreeError(
             f"cgx_jax: the processes disagree on what this {what} sends, so they would "
             f"exchange packets of different sizes (a crash, or garbage). Nothing was sent. "
@@ -71,6 +82,20 @@ def check_processes_agree(settings: dict, what: str = "compressed all-reduce") -
             f"with the same codec or policy, algorithm and model: look for a setting read "
             f"differently on one host (environment, config file, command line) or a stale "
             f"install.")
+
+
+def _wait_until_all_have_read(client, prefix: str, me: int) -> None:
+    """Says that this process has read every setting; process 0, which hosts the key-value
+    store, then waits for the others to say so too (at most ``READ_WAIT_SECONDS``), so that
+    its exit cannot cut a slower process off in the middle of reading."""
+    client.key_value_set(f"{prefix}/{me}", "1")
+    if me != 0:
+        return
+    for rank in range(1, jax.process_count()):
+        try:
+            client.blocking_key_value_get(f"{prefix}/{rank}", int(READ_WAIT_SECONDS * 1000))
+        except Exception:  # noqa: BLE001 - gone or stuck: it cannot be helped by waiting
+            return
 
 
 @functools.cache

@@ -68,12 +68,13 @@ def fits_short_row(size: int, multiple: int, rows: int | None) -> bool:
     return rows is not None and size > 0 and padded - size < padded // rows
 
 
-def split_segments(sizes, multiple: int, rows: int | None) -> list[list[int]]:
+def split_segments(sizes, multiple: int, rows: int | None, *,
+                   by_rows: bool = False) -> list[list[int]]:
     """Positions (into ``sizes``) of each segment's leaves. With ``rows`` (the rows the
     algorithm views a segment as: SRA N, all-gather 1), every leaf of at least
-    ``OWN_SEGMENT_MIN_VALUES`` values that ``fits_short_row`` alone, in order, then the others
+    ``OWN_SEGMENT_MIN_VALUES`` values that ``fits_in_place`` alone, in order, then the others
     together; with ``rows`` None, one segment of all (the ring and the hierarchical reduction
-    run on one padded buffer).
+    run on one padded buffer). ``by_rows``: see ``pack``.
 
     Example:
         >>> split_segments([1 << 20, 10, 1 << 18, 5, (1 << 20) + 1], 4096, rows=4)
@@ -85,36 +86,67 @@ def split_segments(sizes, multiple: int, rows: int | None) -> list[list[int]]:
         return [list(range(len(sizes)))]
 
     def alone(size):
-        return size >= OWN_SEGMENT_MIN_VALUES and fits_short_row(size, multiple, rows)
+        return size >= OWN_SEGMENT_MIN_VALUES and fits_in_place(size, multiple, rows, by_rows)
 
     packed = [i for i, size in enumerate(sizes) if not alone(size)]
     return [[i] for i, size in enumerate(sizes) if alone(size)] + ([packed] if packed else [])
 
 
-def packed_size(sizes, bucket_size: int, multiple: int, rows: int | None) -> tuple[int, int]:
+def fits_in_place(size: int, multiple: int, rows: int | None, by_rows: bool = False) -> bool:
+    """Whether one leaf of ``size`` values can be its segment as it is (a reshape): with
+    ``by_rows`` only when it is a whole number of ``multiple`` (each of its rows whole
+    buckets), else when ``fits_short_row``.
+
+    Example:
+        >>> fits_in_place(4000, 4096, 4), fits_in_place(4000, 4096, 4, by_rows=True)
+        (True, False)
+    """
+    if by_rows:
+        return size > 0 and size % multiple == 0
+    return fits_short_row(size, multiple, rows)
+
+
+def packed_size(sizes, bucket_size: int, multiple: int, rows: int | None, *,
+                by_rows: bool = False) -> tuple[int, int]:
     """``(values of the buffer, length the algorithm sees)`` that ``pack`` makes of leaves of
-    ``sizes`` values: one leaf that ``fits_short_row`` is read in place (the kernels pad its
+    ``sizes`` values: one leaf that ``fits_in_place`` is read in place (the kernels pad its
     short last row), anything else is packed bucket-aligned and padded to ``multiple``.
 
     Example:
         >>> packed_size([4000], 64, 4096, rows=4), packed_size([10, 100], 64, 256, rows=4)
         ((4000, 4096), (256, 256))
+        >>> packed_size([40, 400], 64, 256, rows=4, by_rows=True)  # rows of 10 and 100 values
+        (768, 768)
     """
-    if len(sizes) == 1 and fits_short_row(sizes[0], multiple, rows):
+    if len(sizes) == 1 and fits_in_place(sizes[0], multiple, rows, by_rows):
         return sizes[0], padded_length(sizes[0], multiple)
-    total = padded_length(sum(padded_length(size, bucket_size) for size in sizes), multiple)
+    if by_rows:
+        total = rows * sum(padded_length(size // rows, bucket_size) for size in sizes)
+    else:
+        total = padded_length(sum(padded_length(size, bucket_size) for size in sizes), multiple)
     return total, total
 
 
-def pack(leaves, bucket_size: int, multiple: int, rows: int | None = None):
+def pack(leaves, bucket_size: int, multiple: int, rows: int | None = None, *,
+         by_rows: bool = False):
     """One f32 buffer and the length the algorithm sees (``packed_size``). One leaf that
-    ``fits_short_row`` is the buffer itself, flattened (a reshape for f32), its padding left
+    ``fits_in_place`` is the buffer itself, flattened (a reshape for f32), its padding left
     to the kernels. Otherwise each leaf is flattened and padded to whole buckets of
     ``bucket_size``, the pieces concatenated and the whole padded to a multiple of
-    ``multiple`` (padding repeats the last value, see ``codec.pad_to_multiple``)."""
-    if len(leaves) == 1 and fits_short_row(leaves[0].size, multiple, rows):
+    ``multiple`` (padding repeats the last value, see ``codec.pad_to_multiple``).
+
+    ``by_rows`` (the reduce-scatter): each leaf is ``rows`` rows, row j going to participant
+    j. The buffer is then ``rows`` rows too: row j holds row j of every leaf, each padded to
+    whole buckets with its own last value, side by side, so chunk j of the buffer is what
+    participant j owns of every leaf."""
+    if len(leaves) == 1 and fits_in_place(leaves[0].size, multiple, rows, by_rows):
         return (leaves[0].reshape(-1).astype(jnp.float32),
                 padded_length(leaves[0].size, multiple))
+    if by_rows:
+        pad = jax.vmap(lambda row: pad_to_multiple(row, bucket_size))
+        buf = jnp.concatenate([pad(leaf.reshape(rows, -1).astype(jnp.float32))
+                               for leaf in leaves], axis=1).reshape(-1)
+        return buf, buf.size
     pieces = [pad_to_multiple(leaf.reshape(-1).astype(jnp.float32), bucket_size)
               for leaf in leaves]
     buf = pad_to_multiple(jnp.concatenate(pieces), multiple)
@@ -123,7 +155,7 @@ def pack(leaves, bucket_size: int, multiple: int, rows: int | None = None):
 
 def unpack(buf, shapes, bucket_size: int) -> list:
     """The inverse of ``pack``: one f32 array per shape, read from its bucket-aligned
-    offset in ``buf``."""
+    offset in ``buf`` (with ``by_rows``: of one row, the leaves' row shapes)."""
     out, offset = [], 0
     for shape in shapes:
         size = math.prod(shape)

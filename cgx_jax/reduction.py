@@ -1,4 +1,5 @@
-"""The compressed all-reduce of many leaves as a plan and a run (docs/design.md section 6).
+"""The compressed reduction of many leaves as a plan and a run (docs/design.md sections 6
+and 10): the all-reduce, and the reduce-scatter of ``compressed_psum_scatter``.
 
 ``plan_reduction`` decides, from shapes, dtypes and each leaf's codec only, everything static:
 which leaves are exact, how the leaves sharing a codec are fused into segments
@@ -7,28 +8,35 @@ one set of collectives. It runs no JAX operation, so a plan can be inspected and
 it is. ``run_plan`` then packs the segments, draws their noise (``cgx_jax.seeds``), runs the
 collectives (``cgx_jax.collectives``) and unpacks the sums, and reduces the exact leaves
 through one ``lax.psum`` (their small ones fused into a buffer across CPU processes).
+``run_scatter_plan`` does the same for a plan of ``algorithm=REDUCE_SCATTER``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
 from cgx_jax import fusion
 from cgx_jax.axes import axis_tuple
+from cgx_jax.backends import get_backend
 from cgx_jax.codec import Codec
 from cgx_jax.collectives import (
+    REDUCE_SCATTER,
     Plan,
     allreduce_segments,
     num_phases,
     padding_multiple,
+    reduce_scatter,
     segment_rows,
 )
 from cgx_jax.consistency import installed_version
 from cgx_jax.seeds import phase_seeds
+from cgx_jax.vma import to_local
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,9 +86,22 @@ class ReductionPlan:
     def divisor(self) -> int:
         return self.num_participants * self.inner_size if self.mean else 1
 
-    def wire_settings(self) -> dict:
-        """What shapes this all-reduce's traffic, for ``check_processes_agree``."""
+    @property
+    def by_rows(self) -> bool:
+        """Whether segments are packed row by row (the reduce-scatter; ``fusion.pack``)."""
+        return self.algorithm == REDUCE_SCATTER
+
+    def pack(self, segment: Segment, leaves):
+        """The f32 buffer of ``segment`` (``fusion.pack``), as long as the plan says."""
+        buf, length = fusion.pack([leaves[i] for i in segment.leaves], segment.codec.bucket_size,
+                                  segment.multiple, self.rows, by_rows=self.by_rows)
+        assert (buf.size, length) == (segment.size, segment.length), (segment, buf.shape)
+        return buf
+
+    def wire_settings(self, operation: str = "compressed all-reduce") -> dict:
+        """What shapes this reduction's traffic, for ``check_processes_agree``."""
         return {
+            "operation": operation,
             "cgx_jax version": installed_version(),
             "algorithm": self.algorithm,
             "participants (outer, inner)": [self.num_participants, self.inner_size],
@@ -97,7 +118,8 @@ def plan_reduction(leaves, codecs, *, algorithm: str, num_participants: int,
     """The plan of reducing ``leaves`` (anything with ``shape`` and ``dtype``: arrays or
     ``jax.ShapeDtypeStruct``), each with its codec in ``codecs`` (None: exact), over
     ``num_participants`` (times ``inner_size`` devices reduced exactly first, the
-    hierarchical reduction) with a resolved ``algorithm``.
+    hierarchical reduction) with a resolved ``algorithm``; ``REDUCE_SCATTER``: leaves of
+    shape ``[N, ...]``, row j summed onto participant j (``run_scatter_plan``).
 
     Example:
         >>> import jax, jax.numpy as jnp, cgx_jax as cgx
@@ -109,15 +131,20 @@ def plan_reduction(leaves, codecs, *, algorithm: str, num_participants: int,
         >>> plan.exact, [(s.leaves, s.size, s.length) for s in plan.segments]
         ((1,), [((0,), 262144, 262144), ((2,), 256, 256)])
     """
+    by_rows = algorithm == REDUCE_SCATTER
+    if by_rows:
+        bad = [tuple(leaf.shape) for leaf in leaves
+               if not leaf.shape or leaf.shape[0] != num_participants]
+        assert not bad and inner_size == 1, (bad, inner_size)  # the callers' rows views
     groups, exact = fusion.group_by_codec(leaves, codecs)
     rows = segment_rows(algorithm, num_participants, hierarchical=inner_size > 1)
     segments = []
     for group, (codec, members) in enumerate(groups.items()):
         multiple = inner_size * padding_multiple(algorithm, codec, num_participants)
         sizes = [math.prod(leaves[i].shape) for i in members]
-        for positions in fusion.split_segments(sizes, multiple, rows):
+        for positions in fusion.split_segments(sizes, multiple, rows, by_rows=by_rows):
             size, length = fusion.packed_size([sizes[j] for j in positions], codec.bucket_size,
-                                              multiple, rows)
+                                              multiple, rows, by_rows=by_rows)
             segments.append(Segment(codec, tuple(members[j] for j in positions), group,
                                     multiple, size, length))
     return ReductionPlan(
@@ -145,15 +172,10 @@ def run_plan(plan: ReductionPlan, leaves, axis_name, *, key, backend: str,
             out[i] = value
     if not plan.segments:
         return out, lost
-    seeds = _segment_seeds(plan, key, axis_name, inner_axis_name)
+    seeds = segment_seeds(plan, key, axis_name, inner_axis_name)
     for batch in plan.batches:
         segments = [plan.segments[s] for s in batch]
-        bufs = []
-        for segment in segments:
-            buf, length = fusion.pack([leaves[i] for i in segment.leaves],
-                                      segment.codec.bucket_size, segment.multiple, plan.rows)
-            assert (buf.size, length) == (segment.size, segment.length), (segment, buf.shape)
-            bufs.append(buf)
+        bufs = [plan.pack(segment, leaves) for segment in segments]
         call = Plan(axis_name, tuple(s.codec for s in segments), plan.algorithm, backend,
                     plan.num_participants, with_loss, inner_axis_name, divisor=plan.divisor)
         totals, errors = allreduce_segments(bufs, seeds[batch[0]:batch[-1] + 1], call,
@@ -170,9 +192,10 @@ def run_plan(plan: ReductionPlan, leaves, axis_name, *, key, backend: str,
     return out, lost
 
 
-def _segment_seeds(plan: ReductionPlan, key, axis_name, inner_axis_name):
+def segment_seeds(plan: ReductionPlan, key, axis_name, inner_axis_name=None):
     """``uint32[segments, phases, 2]``, the segments in plan order: each codec group its own
-    stream, each device its own noise (zeros for nearest rounding)."""
+    stream, each device its own noise (zeros for nearest rounding; any ``key`` may be None
+    when no segment rounds stochastically)."""
     participant = None
     if key is not None:
         participant = lax.axis_index(axis_name)
@@ -186,3 +209,47 @@ def _segment_seeds(plan: ReductionPlan, key, axis_name, inner_axis_name):
                                  participant, len(members), phases))
     return jnp.concatenate(seeds)
 
+
+
+def run_scatter_plan(plan: ReductionPlan, leaves, axis_name, *, key, backend: str):
+    """The reduce-scatter of a ``REDUCE_SCATTER`` plan: ``leaves`` ``[N, ...]`` -> this
+    participant's ``[...]`` of each (a list, the input's dtypes), the sum over participants
+    of their row ``index``: exact leaves through ``lax.psum_scatter``, the segments through
+    ``sra.reduce_scatter`` (peers' rows decoded, the own row raw, f32 sums in participant
+    order). Typed varying over ``axis_name`` as ``lax.psum_scatter``'s result; under
+    ``jax.grad`` it is the exact ``lax.psum_scatter`` (straight-through)."""
+    out = [None] * len(leaves)
+    for i in plan.exact:
+        out[i] = lax.psum_scatter(leaves[i], axis_name, scatter_dimension=0, tiled=False)
+    if not plan.segments:
+        return out
+    seeds = segment_seeds(plan, key, axis_name, None)
+    bufs = [plan.pack(segment, leaves) for segment in plan.segments]
+    chunks = _scatter_segments(bufs, seeds, plan, axis_name, backend)
+    for segment, chunk in zip(plan.segments, chunks):
+        shapes = [leaves[i].shape[1:] for i in segment.leaves]
+        for i, value in zip(segment.leaves, fusion.unpack(chunk, shapes,
+                                                          segment.codec.bucket_size)):
+            out[i] = value.astype(leaves[i].dtype)
+    return out
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3, 4))
+def _scatter_segments(bufs, seeds, plan: ReductionPlan, axis_name, backend: str):
+    """This participant's f32 chunk of each segment's compressed reduce-scatter, typed
+    varying (the kernels' outputs carry no axis type)."""
+    chunks = reduce_scatter(bufs, tuple(s.length for s in plan.segments), axis_name,
+                            lax.axis_index(axis_name), plan.num_participants, seeds,
+                            tuple(s.codec for s in plan.segments), get_backend(backend))
+    return to_local(chunks, axis_name)
+
+
+@_scatter_segments.defjvp
+def _scatter_segments_jvp(plan, axis_name, backend, primals, tangents):
+    # Straight-through: the derivative is the exact reduce-scatter of the tangents, whose
+    # transpose is the exact all-gather, as for lax.psum_scatter.
+    bufs, seeds = primals
+    chunks = _scatter_segments(bufs, seeds, plan, axis_name, backend)
+    tangent = [lax.psum_scatter(t.reshape(plan.num_participants, -1), axis_name,
+                                scatter_dimension=0, tiled=False) for t in tangents[0]]
+    return chunks, tangent

@@ -23,11 +23,13 @@ from jax import lax
 from cgx_jax import fusion
 from cgx_jax.axes import axis_size
 from cgx_jax.backends import BACKENDS, get_backend
-from cgx_jax.codec import Codec, pad_to_multiple
-from cgx_jax.collectives.transport import column_offsets, exchange_rows
+from cgx_jax.codec import Codec
+from cgx_jax.collectives import REDUCE_SCATTER
+from cgx_jax.collectives.transport import column_offsets
+from cgx_jax.consistency import check_processes_agree
 from cgx_jax.policy import LayerPolicy, choose_codecs, path_name
-from cgx_jax.reduction import plan_reduction
-from cgx_jax.seeds import phase_seeds, seed_bits
+from cgx_jax.reduction import ReductionPlan, plan_reduction, run_scatter_plan, segment_seeds
+from cgx_jax.seeds import seed_bits
 from cgx_jax.validation import check_choice, check_codec
 from cgx_jax.vma import to_local
 
@@ -38,14 +40,8 @@ GRADIENT_CODEC = Codec()
 
 
 # ---------------------------------------------------------------------------
-# Arguments
+# The opening both ops share
 # ---------------------------------------------------------------------------
-
-def _check_common(key, backend):
-    check_choice("backend", backend, BACKENDS)
-    if key is not None:
-        seed_bits(key)  # a TypeError naming the key for anything but a PRNG key
-
 
 def _leaf_name(path: str) -> str:
     return f"leaf {path!r}" if path else "x"
@@ -60,33 +56,58 @@ def _check_axis(leaf, axis: int, extra: int, name: str, path: str) -> int:
     return axis % ndim
 
 
-def _need_key(codecs, key, paths, what: str) -> None:
-    stochastic = [p for p, c in zip(paths, codecs) if c is not None and c.stochastic]
+@dataclasses.dataclass(frozen=True)
+class _Call:
+    """One call's arguments, checked: the leaves with their ``a/b/c`` paths and treedef, and
+    the size of the axis."""
+
+    leaves: list
+    paths: list
+    treedef: object
+    num: int
+
+
+def _open(x, axis_name, key, backend: str) -> _Call:
+    """Checks ``backend``, ``key`` and ``axis_name`` (bound here) and flattens ``x`` with the
+    paths its leaves are named by in errors."""
+    check_choice("backend", backend, BACKENDS)
+    if key is not None:
+        seed_bits(key)  # a TypeError naming the key for anything but a PRNG key
+    num = axis_size(axis_name)
+    flat_with_paths, treedef = jax.tree_util.tree_flatten_with_path(x)
+    return _Call([jnp.asarray(leaf) for _, leaf in flat_with_paths],
+                 [path_name(p) for p, _ in flat_with_paths], treedef, num)
+
+
+def _choose_codecs(call: _Call, key, what: str, **choice) -> list:
+    """Each leaf's codec (``policy.choose_codecs`` with ``choice``); a ``ValueError`` when a
+    stochastic codec has no key."""
+    codecs = choose_codecs(call.leaves, call.treedef, **choice)
+    stochastic = [p for p, c in zip(call.paths, codecs) if c is not None and c.stochastic]
     if stochastic and key is None:
         raise ValueError(
             f"{what} rounds stochastically and needs a PRNG key: pass key=jax.random.key(...) "
             f"(a fresh one each step), or a codec with rounding='nearest'; leaves rounded "
             f"stochastically: {stochastic[:8]}")
+    return codecs
 
 
-def _seed(key, number: int, axis_name):
-    """This participant's ``uint32[2]`` seed for buffer ``number`` of a call (zeros without a
-    key): independent across participants and buffers."""
-    participant = None if key is None else lax.axis_index(axis_name)
-    return phase_seeds(key, number, participant, 1, 1)[0, 0]
+def _agreed_plan(leaves, codecs, algorithm: str, num: int, what: str):
+    """The plan (``reduction.plan_reduction``), checked to be the same in every process of a
+    multi-process run (``consistency.check_processes_agree``) before any byte moves."""
+    plan = plan_reduction(leaves, codecs, algorithm=algorithm, num_participants=num)
+    check_processes_agree(plan.wire_settings(what), what)
+    return plan
 
 
 @dataclasses.dataclass(frozen=True)
-class _Settings:
-    """The static settings of one compressed gather or reduce-scatter (hashable, for
-    ``custom_vjp``): ``codecs`` one per compressed leaf; ``grad_codec`` the gather's
-    gradient codec (None: exact)."""
+class _GatherSettings:
+    """The static settings of one compressed gather (hashable, for ``custom_vjp``)."""
 
     axis_name: Hashable
-    num: int
-    codecs: tuple[Codec, ...]
+    plan: ReductionPlan
     backend: str
-    grad_codec: Codec | None = None
+    grad_codec: Codec | None
 
 
 # ---------------------------------------------------------------------------
@@ -109,7 +130,8 @@ def compressed_all_gather(x, axis_name, *, axis: int = 0, tiled: bool = False,
     ``compressed_psum_scatter`` and ``grad_codec``
     (default 4-bit stochastic: noise from ``key``, folded apart from the forward's) or, with
     ``grad_codec=None``, exactly with ``lax.psum_scatter``. Call it inside ``jax.shard_map``
-    (typed as ``lax.all_gather``) or ``jax.pmap``.
+    (typed as ``lax.all_gather``) or ``jax.pmap``. In a multi-process run the processes must
+    agree on what travels (``ProcessesDisagreeError`` otherwise, before any byte moves).
 
     Example:
         >>> import jax, jax.numpy as jnp, cgx_jax as cgx
@@ -119,29 +141,29 @@ def compressed_all_gather(x, axis_name, *, axis: int = 0, tiled: bool = False,
         >>> full.shape, bool(jnp.max(jnp.abs(full - w)) <= 2 / 255 / 2)
         ((1, 128, 256), True)
     """
-    _check_common(key, backend)
+    call = _open(x, axis_name, key, backend)
     if grad_codec is not None:
         check_codec(grad_codec, "grad_codec")
-    num = axis_size(axis_name)
-    flat_with_paths, treedef = jax.tree_util.tree_flatten_with_path(x)
-    leaves = [jnp.asarray(leaf) for _, leaf in flat_with_paths]
-    paths = [path_name(p) for p, _ in flat_with_paths]
     axes = [_check_axis(leaf, axis, 0 if tiled else 1, "axis", path)
-            for leaf, path in zip(leaves, paths)]
-    gathered = [_gathered_shape(leaf.shape, a, tiled, num) for leaf, a in zip(leaves, axes)]
-    codecs = choose_codecs(leaves, treedef, codec=codec, policy=policy,
-                           default=LayerPolicy(default=WEIGHT_CODEC), shapes=gathered)
-    _need_key(codecs, key, paths, "compressed_all_gather's codec")
-    compressed = [i for i, c in enumerate(codecs) if c is not None and leaves[i].size]
-    out = [lax.all_gather(leaf, axis_name, axis=a, tiled=tiled)
-           for leaf, a in zip(leaves, axes)]  # exact leaves keep these
-    if compressed:
-        settings = _Settings(axis_name, num, tuple(codecs[i] for i in compressed), backend,
-                             grad_codec)
-        stacked = _gather_stacked([leaves[i] for i in compressed], key, settings)
-        for i, rows in zip(compressed, stacked):
-            out[i] = _place_rows(rows, axes[i], tiled)
-    return jax.tree_util.tree_unflatten(treedef, out)
+            for leaf, path in zip(call.leaves, call.paths)]
+    gathered = [_gathered_shape(leaf.shape, a, tiled, call.num)
+                for leaf, a in zip(call.leaves, axes)]
+    codecs = _choose_codecs(call, key, "compressed_all_gather's codec", codec=codec,
+                            policy=policy, default=LayerPolicy(default=WEIGHT_CODEC),
+                            shapes=gathered)
+    plan = _agreed_plan(call.leaves, codecs, "allgather", call.num, "compressed_all_gather")
+    out = [None] * len(call.leaves)
+    for i in plan.exact:
+        out[i] = lax.all_gather(call.leaves[i], axis_name, axis=axes[i], tiled=tiled)
+    if plan.segments:
+        # Exact leaves are None here (no leaf of the custom_vjp's pytree, no cotangent).
+        compressed = [None if i in plan.exact else leaf for i, leaf in enumerate(call.leaves)]
+        stacked = _gather_stacked(compressed, key,
+                                  _GatherSettings(axis_name, plan, backend, grad_codec))
+        for i, rows in enumerate(stacked):
+            if rows is not None:
+                out[i] = _place_rows(rows, axes[i], tiled)
+    return jax.tree_util.tree_unflatten(call.treedef, out)
 
 
 def _gathered_shape(shape, axis: int, tiled: bool, num: int) -> tuple:
@@ -162,19 +184,16 @@ def _place_rows(rows, axis: int, tiled: bool):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _gather_stacked(leaves, key, settings: _Settings):
-    """``[N, *shape]`` per leaf: every participant's shard, decoded from the gathered
-    packets. Planned like the all-gather all-reduce (``reduction.plan_reduction``): leaves
-    sharing a codec packed bucket-aligned into segments, a large leaf read in place."""
-    backend = get_backend(settings.backend)
-    plan = plan_reduction(leaves, list(settings.codecs), algorithm="allgather",
-                          num_participants=settings.num)
-    packets = []
-    for number, segment in enumerate(plan.segments):  # each segment its own noise
-        buf, length = fusion.pack([leaves[i] for i in segment.leaves],
-                                  segment.codec.bucket_size, segment.multiple, plan.rows)
-        seed = _seed(key if segment.codec.stochastic else None, number, settings.axis_name)
-        packets.append(backend.quantize_rows(buf, seed, segment.codec, n=length))
+def _gather_stacked(leaves, key, settings: _GatherSettings):
+    """``[N, *shape]`` per leaf of ``settings.plan``'s segments (None where the plan has an
+    exact leaf): every participant's shard, decoded from the gathered packets. Planned like
+    the all-gather all-reduce: leaves sharing a codec packed bucket-aligned into segments, a
+    large leaf read in place."""
+    backend, plan = get_backend(settings.backend), settings.plan
+    seeds = segment_seeds(plan, key, settings.axis_name)  # each segment its own noise
+    packets = [backend.quantize_rows(plan.pack(segment, leaves), seed[0], segment.codec,
+                                     n=segment.length)
+               for segment, seed in zip(plan.segments, seeds)]
     # Plain lax.all_gather, so the result is typed varying as lax.all_gather's is.
     gathered = lax.all_gather(jnp.concatenate(packets, axis=1)[0], settings.axis_name)
     out = [None] * len(leaves)
@@ -197,7 +216,8 @@ def _gather_stacked_fwd(leaves, key, settings):
 def _gather_stacked_bwd(settings, key, cotangents):
     # The transpose of a gather is a reduce-scatter of the cotangent over the new axis.
     if settings.grad_codec is None:
-        grads = [lax.psum_scatter(ct, settings.axis_name, scatter_dimension=0, tiled=False)
+        grads = [None if ct is None else
+                 lax.psum_scatter(ct, settings.axis_name, scatter_dimension=0, tiled=False)
                  for ct in cotangents]
     else:
         grad_key = None if key is None else jax.random.fold_in(key, 1)
@@ -239,34 +259,23 @@ def compressed_psum_scatter(x, axis_name, *, scatter_dimension: int = 0, tiled: 
         >>> part.shape, float(part[0, 0, 0])
         ((1, 128, 256), 1.0)
     """
-    _check_common(key, backend)
-    num = axis_size(axis_name)
-    flat_with_paths, treedef = jax.tree_util.tree_flatten_with_path(x)
-    leaves = [jnp.asarray(leaf) for _, leaf in flat_with_paths]
-    paths = [path_name(p) for p, _ in flat_with_paths]
+    call = _open(x, axis_name, key, backend)
+    num = call.num
     dims = [_check_axis(leaf, scatter_dimension, 0, "scatter_dimension", path)
-            for leaf, path in zip(leaves, paths)]
-    for leaf, dim, path in zip(leaves, dims, paths):
+            for leaf, path in zip(call.leaves, call.paths)]
+    for leaf, dim, path in zip(call.leaves, dims, call.paths):
         if leaf.shape[dim] % num if tiled else leaf.shape[dim] != num:
             want = f"a multiple of {num}" if tiled else f"{num}"
             raise ValueError(
                 f"scatter_dimension {dim} of {_leaf_name(path)} (shape {tuple(leaf.shape)}) must "
                 f"have size {want}, the size of axis {axis_name!r}"
                 f"{' (tiled=True)' if tiled else ' (tiled=False: one slice per participant)'}")
-    codecs = choose_codecs(leaves, treedef, codec=codec, policy=policy)
-    _need_key(codecs, key, paths, what)
-    compressed = [i for i, c in enumerate(codecs) if c is not None and leaves[i].size]
-    out = [None] * len(leaves)
-    for i in range(len(leaves)):
-        if i not in compressed:
-            out[i] = lax.psum_scatter(leaves[i], axis_name, scatter_dimension=dims[i],
-                                      tiled=tiled)
-    if compressed:
-        rows = [_rows_of(leaves[i], dims[i], num) for i in compressed]
-        settings = _Settings(axis_name, num, tuple(codecs[i] for i in compressed), backend)
-        for i, value in zip(compressed, _scatter_rows(rows, key, settings)):
-            out[i] = _unrows(value, dims[i], tiled)
-    return jax.tree_util.tree_unflatten(treedef, out)
+    codecs = _choose_codecs(call, key, what, codec=codec, policy=policy)
+    rows = [_rows_of(leaf, dim, num) for leaf, dim in zip(call.leaves, dims)]
+    plan = _agreed_plan(rows, codecs, REDUCE_SCATTER, num, what)
+    out = run_scatter_plan(plan, rows, axis_name, key=key, backend=backend)
+    return jax.tree_util.tree_unflatten(
+        call.treedef, [_unrows(value, dim, tiled) for value, dim in zip(out, dims)])
 
 
 def _rows_of(leaf, dim: int, num: int):
@@ -280,48 +289,3 @@ def _unrows(value, dim: int, tiled: bool):
     """This participant's ``[k, *rest]`` laid out as ``lax.psum_scatter``'s result: ``k``
     slices back at ``dim`` (tiled), or the one slice with ``dim`` gone."""
     return jnp.moveaxis(value, 0, dim) if tiled else value[0]
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _scatter_rows(rows, key, settings: _Settings):
-    """Per leaf ``[N, k, *rest]`` -> this participant's ``[k, *rest]``: the f32 sum over
-    participants of their row ``index``, peers' rows decoded, the own row raw. Leaves sharing
-    a codec are one buffer ``[N, L]`` (each leaf's row padded to whole buckets, so no bucket
-    mixes two leaves) and all buffers share one exchange."""
-    backend = get_backend(settings.backend)
-    num, axis_name = settings.num, settings.axis_name
-    index = lax.axis_index(axis_name)
-    groups, _ = fusion.group_by_codec(rows, list(settings.codecs))
-    bufs, seeds, packets = [], [], []
-    for group, (codec, members) in enumerate(groups.items()):
-        pad = jax.vmap(lambda row, b=codec.bucket_size: pad_to_multiple(row, b))
-        buf = jnp.concatenate([pad(rows[i].reshape(num, -1).astype(jnp.float32))
-                               for i in members], axis=1)
-        seed = _seed(key if codec.stochastic else None, group, axis_name)
-        # The own row is summed raw, so it is not encoded (zero bytes on the wire).
-        packets.append(backend.quantize_rows(buf, seed, codec, skip_row=index))
-        bufs.append(buf)
-        seeds.append(seed)
-    received = exchange_rows(jnp.concatenate(packets, axis=1), axis_name, index, num)
-    out = [None] * len(rows)
-    for (codec, members), buf, seed, offset in zip(groups.items(), bufs, seeds,
-                                                   column_offsets(packets)):
-        _, total = backend.reduce_requantize(received, buf, index, seed, codec, buf.shape[1],
-                                             emit_packet=False, emit_sum=True, offset=offset)
-        shapes = [rows[i].shape[1:] for i in members]
-        for i, value in zip(members, fusion.unpack(total, shapes, codec.bucket_size)):
-            out[i] = value.astype(rows[i].dtype)
-    return to_local(out, axis_name)  # typed varying, as lax.psum_scatter's result
-
-
-def _scatter_rows_fwd(rows, key, settings):
-    return _scatter_rows(rows, key, settings), None
-
-
-def _scatter_rows_bwd(settings, _, cotangents):
-    # Straight-through: the transpose of a (compressed) reduce-scatter is the exact gather.
-    return [lax.all_gather(ct, settings.axis_name, axis=0, tiled=False)
-            for ct in cotangents], None
-
-
-_scatter_rows.defvjp(_scatter_rows_fwd, _scatter_rows_bwd)

@@ -154,36 +154,86 @@ def disagreeing_call(rank: int, setting: str):
     return dict(codec=cgx.Codec(**codec), algorithm=algorithm)
 
 
-def disagree(out_dir: str, rank: int, devices, mode: str) -> None:
-    """MODE ``disagree:SETTING``: rank 1 runs the all-reduce with another SETTING; each rank
-    writes what it got to ``OUT_DIR/rank{i}.txt``. ``disagree_uncaught:SETTING``: the error
-    is left to end the process, as in a user's script."""
+def disagreeing_step(mesh, rank: int, setting: str):
+    """A jitted step over ``mesh`` whose ``setting`` differs on rank 1: a compressed_psum
+    (``disagreeing_call``), or for ``gather_bits``/``scatter_bits`` the sharded ops with
+    8-bit codecs on rank 0 and 4-bit ones on rank 1 (nearest rounding, so no key is needed:
+    only the bits differ). Its argument: ``[devices, 65536]`` rows, sharded."""
     import jax
     from jax.sharding import PartitionSpec as P
 
     import cgx_jax as cgx
 
-    setting = mode.split(":")[1]
+    codec = cgx.Codec(bits=4 if rank == 1 else 8, bucket_size=1024, rounding="nearest")
+    if setting == "gather_bits":
+        def body(x, key):
+            return cgx.compressed_all_gather(x.reshape(256, 256), "batch", tiled=True,
+                                             codec=codec)[:1].reshape(1, -1)
+    elif setting == "scatter_bits":
+        def body(x, key):
+            return cgx.compressed_psum_scatter(x.reshape(-1, 256), "batch", tiled=True,
+                                               codec=codec).reshape(1, -1)
+    else:
+        kwargs = disagreeing_call(rank, setting)
+
+        def body(x, key):
+            return cgx.compressed_psum(x[0].reshape(256, 256), "batch", key=key,
+                                       **kwargs).reshape(1, -1)
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("batch"), P()),
+                                 out_specs=P("batch")))
+
+
+class SlowReader:
+    """A key-value client whose reads each wait ``seconds`` first: the process that owns it
+    reads the others' settings last."""
+
+    def __init__(self, client, seconds: float):
+        self.client, self.seconds = client, seconds
+
+    def key_value_set(self, *args):
+        return self.client.key_value_set(*args)
+
+    def blocking_key_value_get(self, *args):
+        import time
+        time.sleep(self.seconds)
+        return self.client.blocking_key_value_get(*args)
+
+
+def disagree(out_dir: str, rank: int, devices, mode: str) -> None:
+    """MODE ``disagree:SETTING[,SETTING...]``: for each SETTING in turn rank 1 runs the step
+    (``disagreeing_step``) with another value of it; each rank writes what it got to
+    ``OUT_DIR/rank{i}_{SETTING}.txt``. ``disagree_uncaught:SETTING``: the error is left to
+    end the process, as in a user's script. ``disagree_exit:SETTING``: each rank writes what
+    it got and ends at once (``os._exit``), rank 1 reading the others' settings slowly: rank
+    0, which holds the key-value store, must not leave before rank 1 has read them."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    import cgx_jax as cgx
+    from cgx_jax import consistency
+
     mesh = flat_mesh(devices)
-    kwargs = disagreeing_call(rank, setting)
-    step = jax.jit(jax.shard_map(
-        lambda x, key: cgx.compressed_psum(x[0].reshape(256, 256), "batch", key=key,
-                                           **kwargs).reshape(1, -1),
-        mesh=mesh, in_specs=(P("batch"), P()), out_specs=P("batch")))
     x = jax.make_array_from_callback(
-        (len(devices), 65536), jax.sharding.NamedSharding(mesh, P("batch")),
+        (len(devices), 65536), NamedSharding(mesh, P("batch")),
         lambda index: np.ones((len(devices), 65536), np.float32)[index])
-    if mode.startswith("disagree_uncaught"):
-        jax.block_until_ready(step(x, jax.random.key(0)))
-        print(f"process {rank}: returned a result", flush=True)
-        return
-    try:
-        jax.block_until_ready(step(x, jax.random.key(0)))
-        outcome = "returned a result"
-    except cgx.ProcessesDisagreeError as error:
-        outcome = f"ProcessesDisagreeError: {error}"
-    with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
-        f.write(outcome)
+    if mode.startswith("disagree_exit") and rank == 1:
+        client = consistency.distributed_client()
+        consistency.distributed_client = lambda: SlowReader(client, 1.0)
+    for setting in mode.split(":")[1].split(","):
+        step = disagreeing_step(mesh, rank, setting)
+        if mode.startswith("disagree_uncaught"):
+            jax.block_until_ready(step(x, jax.random.key(0)))
+            print(f"process {rank}: returned a result", flush=True)
+            return
+        try:
+            jax.block_until_ready(step(x, jax.random.key(0)))
+            outcome = "returned a result"
+        except cgx.ProcessesDisagreeError as error:
+            outcome = f"ProcessesDisagreeError: {error}"
+        with open(os.path.join(out_dir, f"rank{rank}_{setting}.txt"), "w") as f:
+            f.write(outcome)
+    if mode.startswith("disagree_exit"):
+        os._exit(1)
 
 
 def psum_steps(devices, steps: int):

@@ -66,19 +66,43 @@ EXPECTED_DIFFERENCE = {  # setting changed on rank 1 -> a line the error must ho
     "bucket_size": r"segments .*bucket_size=1024.* on process 0; .*bucket_size=512.* on process 1",
     "policy": r"exact leaves: \[\] on process 0; \[0\] on process 1",
     "algorithm": r"algorithm: \"sra\" on process 0; \"allgather\" on process 1",
+    # The sharded ops, 8-bit codecs on rank 0 and 4-bit ones on rank 1.
+    "gather_bits": r"segments \(codec, leaves, values\): .*bits=8.* on process 0; .*bits=4.* "
+                   r"on process 1",
+    "scatter_bits": r"segments \(codec, leaves, values\): .*bits=8.* on process 0; .*bits=4.* "
+                    r"on process 1",
 }
+OPERATION = {"gather_bits": "compressed_all_gather", "scatter_bits": "compressed_psum_scatter"}
 
 
-@pytest.mark.parametrize("setting", sorted(EXPECTED_DIFFERENCE))
-def test_processes_that_disagree_get_a_clear_error_and_nothing_else(tmp_path, setting):
-    done, _ = launch_worker(2, 1, tmp_path, f"disagree:{setting}", timeout=90)
+def test_processes_that_disagree_get_a_clear_error_and_nothing_else(tmp_path):
+    """One launch, each setting in turn (the all-reduce's and both sharded ops')."""
+    done, _ = launch_worker(2, 1, tmp_path, "disagree:" + ",".join(EXPECTED_DIFFERENCE),
+                            timeout=120)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    for setting, expected in EXPECTED_DIFFERENCE.items():
+        for rank in range(2):
+            outcome = (tmp_path / f"rank{rank}_{setting}.txt").read_text()
+            assert outcome.startswith(
+                "ProcessesDisagreeError: cgx_jax: the processes disagree on what this "
+                f"{OPERATION.get(setting, 'compressed all-reduce')} sends"), outcome
+            assert re.search(expected, outcome), (setting, outcome)
+    assert "terminate called" not in done.stderr and "Gloo" not in done.stderr
+
+
+def test_every_process_names_the_difference_when_one_ends_at_once(tmp_path):
+    """Rank 1 reads the others' settings slowly and rank 0, which holds jax.distributed's
+    key-value store, ends the moment it has raised: rank 0 waits until rank 1 has read every
+    setting, so rank 1 names the differing setting too (not 'process 0 did not reach')."""
+    done, _ = launch_worker(2, 1, tmp_path, "disagree_exit:gather_bits", timeout=90)
+    assert done.returncode != 0
     for rank in range(2):
-        outcome = (tmp_path / f"rank{rank}.txt").read_text()
+        path = tmp_path / f"rank{rank}_gather_bits.txt"
+        assert path.exists(), done.stdout[-3000:] + done.stderr[-3000:]
+        outcome = path.read_text()
         assert outcome.startswith("ProcessesDisagreeError: cgx_jax: the processes disagree"), \
             outcome
-        assert re.search(EXPECTED_DIFFERENCE[setting], outcome), outcome
-    assert "terminate called" not in done.stderr and "Gloo" not in done.stderr
+        assert re.search(EXPECTED_DIFFERENCE["gather_bits"], outcome), outcome
 
 
 def test_a_disagreeing_script_ends_with_the_error_not_an_abort(tmp_path):

@@ -159,6 +159,62 @@ def test_psum_scatter_sums_decoded_peers_and_the_raw_own_slice(dim, tiled, dtype
     np.testing.assert_array_equal(np.asarray(got).view(np.uint8), want.view(np.uint8))
 
 
+W4N = cgx.Codec(bits=4, bucket_size=128, rounding="nearest")
+SCATTER_POLICY = cgx.LayerPolicy(default=W8, min_size=100, overrides={"^w$": W4N})
+
+
+def scatter_tree(seed):
+    """Per participant (stacked over N): a leaf of 2^18 values whose rows are whole buckets
+    (its own segment, read in place), two matrices and a bf16 leaf whose rows are not (packed
+    row by row; the bf16 one positive, so padding it with zeros would widen its last
+    buckets), a bias and an int leaf (exact)."""
+    return {"big": shards(seed, (N * 64, 1024)), "w": shards(seed + 1, (N * 3, 37, 40)),
+            "u": shards(seed + 4, (N * 2, 300)),
+            "v": (np.abs(shards(seed + 2, (N * 5, 50))) + 3).astype(ml_dtypes.bfloat16),
+            "b": shards(seed + 3, (N * 2,)),
+            "count": np.arange(N * N * 6, dtype=np.int32).reshape(N, N * 6)}
+
+
+def test_psum_scatter_plans_a_tree_in_segments_of_whole_rows():
+    """The reduce-scatter is planned by reduction.plan_reduction: the big leaf a segment of
+    its own, the W8 leaves whose rows are not whole buckets packed row by row (each row padded
+    to whole buckets), the other codec's leaf its own group, the bias and ints exact."""
+    from cgx_jax.collectives import REDUCE_SCATTER
+    from cgx_jax.reduction import plan_reduction
+
+    tree = jax.tree.map(lambda x: x[0], scatter_tree(20))
+    leaves, treedef = jax.tree.flatten(tree)  # b, big, count, u, v, w
+    codecs = cgx.policy.choose_codecs(leaves, treedef, policy=SCATTER_POLICY)
+    rows = [jax.ShapeDtypeStruct((N, leaf.shape[0] // N) + leaf.shape[1:], leaf.dtype)
+            for leaf in leaves]
+    plan = plan_reduction(rows, codecs, algorithm=REDUCE_SCATTER, num_participants=N)
+    assert plan.exact == (0, 2)
+    layout = [(s.codec, s.leaves, s.size, s.length) for s in plan.segments]
+    assert layout == [(W8, (1,), N * 65536, N * 65536),          # in place
+                      (W8, (3, 4), N * (640 + 256), N * 896),    # rows of 600 and 250 values
+                      (W4N, (5,), N * 4480, N * 4480)]           # 4440 -> 35 buckets of 128
+
+
+def test_psum_scatter_of_a_tree_matches_the_model_leaf_by_leaf():
+    """Every leaf bitwise as the numpy model sums it (its own codec, its rows padded with
+    their own last value), exact leaves as lax.psum_scatter, dtypes and shapes as lax's."""
+    tree = scatter_tree(20)
+    got = run_sharded(lambda t: cgx.compressed_psum_scatter(t, "batch", tiled=True,
+                                                            policy=SCATTER_POLICY), tree, N)
+    exact = run_sharded(lambda t: jax.lax.psum_scatter(t, "batch", tiled=True), tree, N)
+    assert jax.tree.structure(got) == jax.tree.structure(exact)
+    for name in ("b", "count"):
+        assert got[name].dtype == exact[name].dtype
+        np.testing.assert_array_equal(got[name], exact[name])
+    for name, codec in (("big", W8), ("w", W4N), ("u", W8), ("v", W8)):
+        assert got[name].shape == exact[name].shape and got[name].dtype == exact[name].dtype
+        want = np.ascontiguousarray(scatter_model(tree[name], codec, 0, True)
+                                    .astype(tree[name].dtype))
+        np.testing.assert_array_equal(np.asarray(got[name]).view(np.uint8), want.view(np.uint8),
+                                      err_msg=name)
+        assert not np.array_equal(np.asarray(got[name]), np.asarray(exact[name]))
+
+
 def test_psum_scatter_is_unbiased_with_stochastic_rounding_and_transposes_exactly():
     stacked = shards(10, (N * 4, 50, 40))
     exact = np.asarray(run_sharded(lambda x: jax.lax.psum_scatter(x, "batch", tiled=True),

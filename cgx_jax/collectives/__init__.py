@@ -30,7 +30,7 @@ from cgx_jax.codec import Codec
 from cgx_jax.collectives.allgather import allgather_reduce
 from cgx_jax.collectives.hierarchical import hierarchical_reduce
 from cgx_jax.collectives.ring import ring_reduce
-from cgx_jax.collectives.sra import scatter_reduce_allgather
+from cgx_jax.collectives.sra import reduce_scatter, scatter_reduce_allgather
 
 
 def _ring_segments(bufs, lengths, axis_name, index, num_participants, seeds, codecs, backend,
@@ -73,6 +73,14 @@ REGISTRY = {
 }
 ALGORITHMS = (*REGISTRY, "auto")
 
+# The compressed reduce-scatter (``compressed_psum_scatter``) is planned like the all-reduce
+# algorithms: SRA's first half, its segments N rows of whole buckets (row j of every leaf
+# side by side, ``fusion.pack(by_rows=True)``), one quantization. Its ``run`` is
+# ``sra.reduce_scatter``: each participant's chunk of each segment, no errors.
+REDUCE_SCATTER = "reduce_scatter"
+LAYOUTS = {**REGISTRY, REDUCE_SCATTER: Algorithm(chunked=True, rows=lambda n: n,
+                                                 phases=lambda n: 1, run=reduce_scatter)}
+
 
 def resolve_algorithm(algorithm: str, num_participants: int) -> str:
     """``"auto"``: all-gather for N <= 2 participants, SRA otherwise.
@@ -98,7 +106,7 @@ def num_phases(algorithm: str, num_participants: int) -> int:
         >>> num_phases("sra", 8), num_phases("ring", 8)
         (2, 8)
     """
-    return REGISTRY[algorithm].phases(num_participants)
+    return LAYOUTS[algorithm].phases(num_participants)
 
 
 def padding_multiple(algorithm: str, codec: Codec, num_participants: int) -> int:
@@ -109,7 +117,7 @@ def padding_multiple(algorithm: str, codec: Codec, num_participants: int) -> int
         >>> padding_multiple("sra", Codec(bucket_size=64), 4)
         256
     """
-    chunks = num_participants if REGISTRY[algorithm].chunked else 1
+    chunks = num_participants if LAYOUTS[algorithm].chunked else 1
     return codec.bucket_size * chunks
 
 
@@ -150,7 +158,7 @@ def segment_rows(algorithm: str, num_participants: int, hierarchical: bool) -> i
         >>> segment_rows("sra", 4, hierarchical=False), segment_rows("ring", 4, False)
         (4, None)
     """
-    return None if hierarchical else REGISTRY[algorithm].rows(num_participants)
+    return None if hierarchical else LAYOUTS[algorithm].rows(num_participants)
 
 
 def _reduce_flat(bufs, lengths, seeds, plan: Plan, index):
