@@ -43,8 +43,13 @@ from cgx_jax.policy import (
     residual_shape,
     with_residual,
 )
+from cgx_jax.sharded import WEIGHT_CODEC, gather_leaves, scatter_leaves
 from cgx_jax.trees import combine, is_array, is_differentiable, partition
-from cgx_jax.vma import local_value_and_grad
+from cgx_jax.vma import local_value_and_grad, to_local
+
+# The noise of the FSDP weights' gather and gradients' reduce-scatter, folded into the step's
+# key apart from the noise groups of the compressed mean (which fold small group numbers).
+_GATHER_STREAM, _SCATTER_STREAM = 0x6A7E, 0x5CA7
 
 
 def _param_specs(grads, param_specs):
@@ -72,21 +77,27 @@ def _axis_names(spec) -> list:
             for name in (entry if isinstance(entry, tuple) else (entry,))]
 
 
-def _check_spec(spec, axis_name, path) -> tuple:
-    entries = tuple(spec)
-    if axis_name in _axis_names(entries):
-        raise ValueError(
-            f"cgx.value_and_grad: parameter {path!r} is sharded over the data axis "
-            f"{axis_name!r} (spec {spec}); data-parallel compression needs parameters "
-            f"replicated over it (shard them over other mesh axes only; for sharded "
-            f"(FSDP) training use compressed all-gather and reduce-scatter)")
-    return entries
+def _data_dim(spec, axis_name, path) -> int | None:
+    """The dimension that ``spec`` shards over the data axis (an FSDP parameter), or None
+    (replicated over it). One dimension sharded over the data axis and another axis together
+    is refused: each device would hold a shard of a shard."""
+    for dim, entry in enumerate(spec):
+        names = entry if isinstance(entry, tuple) else (entry,)
+        if axis_name in names:
+            if len(names) > 1:
+                raise ValueError(
+                    f"cgx.value_and_grad: parameter {path!r} has dimension {dim} sharded over "
+                    f"{entry} together (spec {spec}); shard it over the data axis "
+                    f"{axis_name!r} in a dimension of its own (for example P({axis_name!r}, "
+                    f"'model')), or not at all")
+            return dim
+    return None
 
 
 def value_and_grad(fun: Callable, *, mesh: Mesh, axis_name: str, argnums=0,
                    has_aux: bool = False, policy: LayerPolicy | None = None, seed: int = 0,
                    algorithm: str = "auto", backend: str = "ffi", param_specs=None,
-                   error_feedback: bool = False):
+                   error_feedback: bool = False, weight_policy: LayerPolicy | None = None):
     """``jax.value_and_grad(fun, argnums, has_aux)`` (``nnx.value_and_grad`` for an NNX module)
     whose gradients are averaged over ``axis_name`` with cgx's compressed all-reduce; call it
     inside ``jax.jit``/``nnx.jit`` (or eagerly) as ``grad_fn(*args, step=step)``.
@@ -97,10 +108,12 @@ def value_and_grad(fun: Callable, *, mesh: Mesh, axis_name: str, argnums=0,
         that participant's rows.
       mesh: the mesh the step runs on; axis_name: its data-parallel axis. Every argument not
         in ``argnums`` is a batch, split over ``axis_name`` along its first dimension;
-        arguments in ``argnums`` (parameters, or an NNX module) are replicated over it and
-        may be sharded over the other mesh axes.
-      policy: the per-leaf codecs (default ``LayerPolicy()``); seed, algorithm, backend: as
-        for ``compressed_allreduce``.
+        arguments in ``argnums`` (parameters, or an NNX module) may be sharded over the other
+        mesh axes, and replicated over ``axis_name`` or sharded over it (FSDP, below).
+      policy: the gradients' per-leaf codecs (default ``LayerPolicy()``); seed, algorithm,
+        backend: as for ``compressed_allreduce``.
+      weight_policy: the codecs of FSDP parameters' weights as they are gathered (default
+        ``LayerPolicy(default=Codec(bits=8, rounding="nearest"))``).
       param_specs: the parameters' ``PartitionSpec``s over the other mesh axes (a tree
         prefix of the gradients); default: an NNX module's sharding annotations
         (``nnx.with_partitioning``, ``sharding=``), else what JAX tells of each array (its
@@ -108,12 +121,24 @@ def value_and_grad(fun: Callable, *, mesh: Mesh, axis_name: str, argnums=0,
         ``jit``). Over automatic axes inside ``jit`` that cannot be known at trace time: the
         gradients are then laid out replicated over those axes, with a warning that says
         how to pass ``param_specs`` (``P()`` says they are replicated). A gradient is
-        compressed per shard, so each device encodes only what it holds.
+        compressed per shard, so each device encodes only what it holds. A ``param_specs``
+        that calls replicated a parameter whose annotation or placement shards it over
+        ``axis_name`` is a ``ValueError``.
 
       error_feedback: add what each participant's compression lost to its next gradient
         (EF-SGD): ``grad_fn(*args, step=step, residual=residual)`` then returns
         ``(value, grads, residual)``; start from ``cgx.init_residual(params, mesh=mesh,
-        axis_name=axis_name)`` and carry the returned residual to the next step.
+        axis_name=axis_name)`` and carry the returned residual to the next step. Not for
+        FSDP parameters (a ``ValueError``).
+
+    FSDP: a parameter whose spec shards one dimension over ``axis_name`` (GSPMD FSDP, as
+    ``nnx.with_partitioning(init, (axis_name, None))`` or ``P(axis_name, None)`` writes it)
+    stays sharded. Inside the step each participant gathers it whole with
+    ``compressed_all_gather`` (``weight_policy``), the loss runs on the gathered weights, and
+    its gradient comes back through ``compressed_psum_scatter`` (``policy``), averaged and
+    sharded like the parameter, so ``nnx.Optimizer``/Optax update shards. Its other
+    dimensions may be sharded over other mesh axes (each device then gathers and
+    reduce-scatters only its block). All gathered weights are alive during the step.
 
     ``step``: an integer array that differs every step (``optimizer.step.value`` of an
     ``nnx.Optimizer``, or a counter in the train state); the stochastic rounding noise is
@@ -128,8 +153,8 @@ def value_and_grad(fun: Callable, *, mesh: Mesh, axis_name: str, argnums=0,
 
     Returns ``(value, grads)`` (``((value, aux), grads)`` with ``has_aux``): the loss averaged
     over participants (aux leaves too, which must be floating arrays), and the averaged
-    gradients, of the arguments' types and structure, replicated over ``axis_name`` and
-    sharded like the parameters. An NNX
+    gradients, of the arguments' types and structure, sharded like the parameters (so
+    replicated over ``axis_name`` but for FSDP parameters). An NNX
     module's other state is updated as ``cgx.local_value_and_grad`` says (RNG counts
     advanced, each participant its own dropout masks, BatchNorm statistics averaged).
 
@@ -152,17 +177,26 @@ def value_and_grad(fun: Callable, *, mesh: Mesh, axis_name: str, argnums=0,
     # param_specs describes the gradients as returned: one tree, or one per argnum.
     specs = (param_specs,) if single and param_specs is not None else param_specs
     settings = dict(fun=fun, mesh=mesh, axis_name=axis_name, positions=positions,
-                    has_aux=has_aux, policy=policy, algorithm=algorithm, backend=backend)
+                    has_aux=has_aux, policy=policy, algorithm=algorithm, backend=backend,
+                    weight_policy=(LayerPolicy(default=WEIGHT_CODEC) if weight_policy is None
+                                   else check_policy(weight_policy, "weight_policy")))
 
     def grad_fn(*args, step=None, residual=None):
         _check_call(args, argnums, positions, axis_name, error_feedback, residual)
         call, flat_args = _Call.of(args, specs, _step_key(step, seed), **settings)
-        value, grads, states, leaf_specs = _local_gradients(call, flat_args)
+        if error_feedback and call.fsdp:
+            raise ValueError(
+                f"cgx.value_and_grad(..., error_feedback=True): parameters "
+                f"{[call.paths[i] for i in call.fsdp][:4]} are sharded over {axis_name!r} "
+                f"(FSDP), whose compressed reduce-scatter has no error feedback (its residual "
+                f"would be the whole unsharded gradient on every device); drop "
+                f"error_feedback, or replicate them over {axis_name!r}")
+        value, grads, states = _local_gradients(call, flat_args)
         for i, state in states.items():  # state a step changed (RNG counts, statistics)
             flax_compat.nnx().update(args[i], state)
         if residual is not None:
             residual = (residual,) if single else tuple(residual)
-        grads, residual = _compressed_mean(call, grads, residual, leaf_specs)
+        grads, residual = _compressed_mean(call, grads, residual)
         if single:
             grads = grads[0]
             residual = None if residual is None else residual[0]
@@ -201,39 +235,71 @@ class _Call:
     ``positions``: the differentiated arguments. ``graphs``: the NNX module passed at a
     position, as its graph (its state travels in the arguments and is merged back inside
     the shard_map). ``static``: per argument, its leaves that do not travel (not arrays, or
-    not floating arrays of a parameter), put back before ``fun`` runs. ``specs``: the
-    parameters' ``PartitionSpec`` trees, one per position (``None``: NNX annotations).
-    ``key``: this step's noise key (``None`` without a step)."""
+    not floating arrays of a parameter), put back before ``fun`` runs. ``key``: this step's
+    noise key (``None`` without a step). Per gradient leaf (``tree_leaves`` order of the
+    gradients of all positions): ``paths`` (its name in errors), ``specs`` (its
+    ``PartitionSpec``), ``codecs`` (``policy``'s) and ``weight_codecs`` (``weight_policy``'s).
+    ``fsdp``: leaf -> the dimension sharded over ``axis_name``; ``fsdp_paths``: position ->
+    {``keystr`` of the leaf's path in the travelling argument: leaf}."""
     fun: Callable
     mesh: Mesh
     axis_name: str
     positions: tuple
     has_aux: bool
     policy: LayerPolicy
+    weight_policy: LayerPolicy
     algorithm: str
     backend: str
     graphs: dict
     static: dict
-    specs: Any
     key: Any
+    paths: list
+    specs: list
+    codecs: list
+    weight_codecs: list
+    fsdp: dict
+    fsdp_paths: dict
 
     @classmethod
     def of(cls, args, specs, key, **settings):
         """The call of ``args`` and the arguments that travel into the shard_maps: an NNX
         module's state, of other arguments only their arrays (floating ones, of the
-        parameters); the rest is closed over."""
-        positions = settings["positions"]
-        graphs, static, flat_args = {}, {}, list(args)
+        parameters); the rest is closed over. ``specs``: ``param_specs``, one tree per
+        position, or None."""
+        positions, axis_name = settings["positions"], settings["axis_name"]
+        nnx = flax_compat.nnx
+        graphs, static, flat_args, params = {}, {}, list(args), []
         for i, arg in enumerate(args):
             if i in positions and flax_compat.is_module(arg):
-                graphs[i], flat_args[i] = flax_compat.nnx().split(arg)
+                graphs[i], flat_args[i] = nnx().split(arg)
+                params.append(nnx().state(arg, nnx().Param))  # what nnx.grad differentiates
             else:
                 keep = is_differentiable if i in positions else is_array
                 flat_args[i], static[i] = partition(arg, keep)
-        if specs is None and not graphs:
-            specs = _specs_jax_knows(tuple(flat_args[i] for i in positions),
-                                     settings["mesh"], settings["axis_name"])
-        return cls(graphs=graphs, static=static, specs=specs, key=key, **settings), flat_args
+                if i in positions:
+                    params.append(flat_args[i])
+        params = tuple(params)
+        paths = leaf_paths(params[0] if len(params) == 1 else params)
+        visible = _visible_specs(params)
+        if specs is not None:
+            leaf_specs = _leaf_specs(params, specs)
+            _check_given_specs(leaf_specs, visible, paths, axis_name)
+        elif graphs:
+            leaf_specs = _leaf_specs(params, None)  # the NNX annotations
+        else:
+            leaf_specs = _specs_jax_knows(params, visible, paths, settings["mesh"], axis_name)
+        fsdp = {j: d for j, (spec, path) in enumerate(zip(leaf_specs, paths))
+                if (d := _data_dim(spec, axis_name, path)) is not None}
+        fsdp_paths, first = {}, 0
+        for i, tree in zip(positions, params):
+            flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+            fsdp_paths[i] = {jax.tree_util.keystr(path): first + j
+                             for j, (path, _) in enumerate(flat) if first + j in fsdp}
+            first += len(flat)
+        return cls(graphs=graphs, static=static, key=key, paths=paths, specs=leaf_specs,
+                   codecs=settings["policy"].resolve_leaves(params),
+                   weight_codecs=settings["weight_policy"].resolve_leaves(params),
+                   fsdp=fsdp, fsdp_paths=fsdp_paths, **settings), flat_args
 
     def loss(self, *array_args):
         """``fun`` of the arguments as they travelled, their other leaves put back."""
@@ -241,25 +307,49 @@ class _Call:
                           for i, a in enumerate(array_args)))
 
 
-def _specs_jax_knows(params, mesh, axis_name):
-    """The ``PartitionSpec`` of every parameter array as JAX tells it at trace time: a placed
-    array's sharding (outside ``jit``), else its type (which names explicit axes only).
-    Where the mesh has automatic axes besides ``axis_name`` and a traced parameter's layout
-    over them cannot be known, warns and takes it as replicated."""
+def _check_given_specs(given, visible, paths, axis_name) -> None:
+    """``param_specs`` must not call replicated over the data axis a parameter that its
+    annotation or placement shards over it: its weights would be gathered exactly, in f32,
+    by XLA, and only its gradient compressed."""
+    for spec, seen, path in zip(given, visible, paths):
+        if (seen is not None and _data_dim(seen, axis_name, path) is not None
+                and _data_dim(spec, axis_name, path) is None):
+            raise ValueError(
+                f"cgx.value_and_grad: param_specs gives parameter {path!r} the spec {spec}, "
+                f"but it is sharded over the data axis {axis_name!r} ({seen}). "
+                f"cgx.value_and_grad trains such a parameter FSDP-style (compressed gathers "
+                f"and reduce-scatters) when its spec says so: give it its spec {seen} "
+                f"(or leave it out of param_specs)")
+
+
+def _visible_specs(params) -> list:
+    """Per parameter leaf, the ``PartitionSpec`` that the parameter itself shows at trace
+    time: its NNX annotation, else a placed array's sharding (outside ``jit``), else its type
+    (which names explicit axes only); None for a traced array without either (its layout over
+    automatic axes is decided after tracing)."""
+    annotated = _leaf_specs(params, None)
+    out = []
+    for x, spec in zip(jax.tree_util.tree_leaves(params), annotated):
+        if spec != P():
+            out.append(spec)
+        elif not isinstance(x, jax.core.Tracer) and isinstance(
+                getattr(x, "sharding", None), jax.sharding.NamedSharding):
+            out.append(x.sharding.spec)
+        elif isinstance(x, jax.core.Tracer) and not _axis_names(jax.typeof(x).sharding.spec):
+            out.append(None)
+        else:
+            out.append(jax.typeof(x).sharding.spec)
+    return out
+
+
+def _specs_jax_knows(params, visible, paths, mesh, axis_name) -> list:
+    """The ``PartitionSpec`` of every parameter array as JAX tells it at trace time
+    (``_visible_specs``). Where the mesh has automatic axes besides ``axis_name`` and a
+    traced parameter's layout over them cannot be known, warns and takes it as replicated."""
     auto = [a for a in mesh.axis_names if a != axis_name and mesh.shape[a] > 1
             and _axis_type(mesh, a) == AxisType.Auto]
-    unknown = []
-
-    def spec_of(path, x):
-        if not isinstance(x, jax.core.Tracer) and isinstance(
-                getattr(x, "sharding", None), jax.sharding.NamedSharding):
-            return x.sharding.spec
-        if auto:  # named as the user's tree names it (one argnum: without its position)
-            unknown.append(jax.tree_util.keystr(path[1:] if len(params) == 1 else path))
-        return jax.typeof(x).sharding.spec
-
-    specs = jax.tree_util.tree_map_with_path(spec_of, params)
-    if unknown:
+    unknown = [path for path, spec in zip(paths, visible) if spec is None]
+    if unknown and auto:
         warnings.warn(
             f"cgx.value_and_grad cannot see how parameters {unknown[:3]}"
             f"{' ...' if len(unknown) > 3 else ''} are sharded over the automatic mesh axes "
@@ -269,8 +359,8 @@ def _specs_jax_knows(params, mesh, axis_name):
             f"{auto[0]!r} is gathered first. Pass param_specs=jax.tree.map(lambda a: "
             f"a.sharding.spec, params), built outside jit from the placed parameters, or "
             f"param_specs=P() if they are replicated; explicit mesh axes need neither.",
-            stacklevel=4)
-    return specs
+            stacklevel=5)
+    return [P() if spec is None else spec for spec in visible]
 
 
 def _step_key(step, seed: int):
@@ -290,15 +380,17 @@ def _step_key(step, seed: int):
 
 
 def _local_gradients(call: _Call, flat_args):
-    """Stage 1: each participant's loss and gradient, manual over the data axis only. Returns
-    the loss (averaged), the gradients stacked one row per participant, the NNX modules'
-    other state, and every gradient leaf's ``PartitionSpec``."""
+    """Stage 1: each participant's loss and gradient, manual over the data axis only. FSDP
+    parameters arrive as this participant's shard and are gathered whole (compressed) before
+    the loss runs; their gradients leave reduce-scattered (compressed) and averaged, the data
+    dimension moved first. Returns the loss (averaged), the gradients stacked one row per
+    participant (an FSDP leaf: its shards, as rows), and the NNX modules' other state."""
     mesh, axis_name, positions = call.mesh, call.axis_name, call.positions
-    in_specs = tuple(P() if i in positions else P(axis_name) for i in range(len(flat_args)))
-    leaf_specs = []  # filled while the shard_map traces `local`
+    in_specs = tuple(_input_specs(call, i, arg) if i in positions else P(axis_name)
+                     for i, arg in enumerate(flat_args))
 
     def local(*local_args):
-        local_args = list(local_args)
+        local_args = _gather_fsdp_weights(call, list(local_args))
         modules = {}
         for i, graph in call.graphs.items():
             local_args[i] = modules[i] = flax_compat.nnx().merge(graph, local_args[i])
@@ -306,28 +398,130 @@ def _local_gradients(call: _Call, flat_args):
             lambda: local_value_and_grad(call.loss, axis_name, argnums=positions,
                                          has_aux=call.has_aux)(*local_args), axis_name)
         out = jax.tree.map(lambda v: lax.pmean(v, axis_name), out)
+        leaves, treedef = jax.tree_util.tree_flatten(grads)
+        shards = _scatter_fsdp_gradients(call, leaves)
         # Each gradient laid out like its parameter over the automatic axes, so it leaves
         # this stage as stage 2 reads it (left to XLA, it was gathered whole over 'model').
-        leaf_specs[:] = _leaf_specs(grads, call.specs, axis_name)
-        grads = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(grads), [
-            _lay_out(g, spec, mesh)
-            for g, spec in zip(jax.tree_util.tree_leaves(grads), leaf_specs)])
-        stacked = jax.tree.map(lambda g: g[None], grads)
+        stacked = [jnp.moveaxis(shards[j], call.fsdp[j], 0) if j in call.fsdp
+                   else _lay_out(g, spec, mesh)[None]
+                   for j, (g, spec) in enumerate(zip(leaves, call.specs))]
         # The modules' other state, agreed over the data axis by local_value_and_grad.
         states = {}
         for i, module in modules.items():
             nnx = flax_compat.nnx()
             states[i] = nnx.state(module, nnx.Not(nnx.Param))
-        return out, stacked, states
+        return out, jax.tree_util.tree_unflatten(treedef, stacked), states
 
     out_specs = (P(), P(axis_name), P())
     if _axis_type(mesh, axis_name) == AxisType.Explicit:  # shard_map wants them split
         flat_args = [arg if i in positions else jax.tree.map(
             lambda x: _split_rows(x, mesh, axis_name), arg) for i, arg in enumerate(flat_args)]
-    value, stacked, states = jax.shard_map(local, mesh=mesh, in_specs=in_specs,
-                                           out_specs=out_specs,
-                                           axis_names={axis_name})(*flat_args)
-    return value, stacked, states, leaf_specs
+    return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                         axis_names={axis_name})(*flat_args)
+
+
+def _input_specs(call: _Call, i: int, arg):
+    """The stage-1 ``in_specs`` tree of the differentiated argument ``arg`` at position
+    ``i``: ``P()`` (replicated over the data axis), an FSDP leaf split over it along its
+    dimension."""
+    def spec(path, _):
+        leaf = call.fsdp_paths[i].get(jax.tree_util.keystr(path))
+        if leaf is None:
+            return P()
+        return P(*([None] * call.fsdp[leaf]), call.axis_name)
+
+    return jax.tree_util.tree_map_with_path(spec, arg)
+
+
+def _gather_fsdp_weights(call: _Call, args) -> list:
+    """``args`` with every FSDP shard gathered whole over the data axis by the compressed
+    all-gather (``weight_codecs``)."""
+    key = None if call.key is None else jax.random.fold_in(call.key, _GATHER_STREAM)
+    for i, by_path in call.fsdp_paths.items():
+        if not by_path:
+            continue
+        flat, treedef = jax.tree_util.tree_flatten_with_path(args[i])
+        leaves = [leaf for _, leaf in flat]
+        at = [n for n, (path, _) in enumerate(flat) if jax.tree_util.keystr(path) in by_path]
+        members = [by_path[jax.tree_util.keystr(flat[n][0])] for n in at]
+
+        def gather(shards, members, key):
+            return gather_leaves(
+                shards, [call.weight_codecs[j] for j in members], call.axis_name,
+                axes=[call.fsdp[j] for j in members], tiled=True, key=key, grad_codec=None,
+                backend=call.backend, paths=[call.paths[j] for j in members])
+
+        for n, value in zip(at, _per_block(call, gather, [leaves[n] for n in at], members,
+                                           key)):
+            leaves[n] = value
+        args[i] = jax.tree_util.tree_unflatten(treedef, leaves)
+    return args
+
+
+def _scatter_fsdp_gradients(call: _Call, grads) -> dict:
+    """{FSDP leaf: this participant's shard of its gradient averaged over the data axis}, by
+    the compressed reduce-scatter of the local gradients (``codecs``)."""
+    if not call.fsdp:
+        return {}
+    members = sorted(call.fsdp)
+    _need_step([call.codecs[j] for j in members], call.key)
+    key = None if call.key is None else jax.random.fold_in(call.key, _SCATTER_STREAM)
+
+    def scatter(local, members, key):
+        return scatter_leaves(
+            local, [call.codecs[j] for j in members], call.axis_name,
+            dims=[call.fsdp[j] for j in members], tiled=True, key=key, backend=call.backend,
+            paths=[call.paths[j] for j in members], what="the gradient of FSDP parameters")
+
+    sums = _per_block(call, scatter, [grads[j] for j in members], members, key)
+    num = call.mesh.shape[call.axis_name]
+    return {j: (total.astype(jnp.float32) / num).astype(total.dtype)
+            for j, total in zip(members, sums)}
+
+
+def _other_spec(call: _Call, j: int):
+    """Leaf ``j``'s spec without the data axis: how it is sharded over the other axes."""
+    return P(*(None if d == call.fsdp[j] else entry for d, entry in enumerate(call.specs[j])))
+
+
+def _per_block(call: _Call, collective, leaves, members, key) -> list:
+    """``collective(leaves, members, key)`` (a sharded op over the data axis) run on what each
+    device holds: leaves also sharded over other mesh axes go through a ``shard_map`` manual
+    over those axes (else XLA would gather them whole, in f32, to feed the kernels), each
+    block drawing its own noise; the others as they are. Returns the results in order."""
+    out = [None] * len(leaves)
+    blocked = [m for m, j in enumerate(members) if _axis_names(_other_spec(call, j))]
+    plain = [m for m in range(len(leaves)) if m not in blocked]
+    if plain:
+        for m, value in zip(plain, collective([leaves[m] for m in plain],
+                                              [members[m] for m in plain], key)):
+            out[m] = value
+    if blocked:
+        specs = tuple(_other_spec(call, members[m]) for m in blocked)
+        axes = tuple(a for a in call.mesh.axis_names
+                     if any(a in _axis_names(spec) for spec in specs))
+
+        def on_blocks(*blocks):
+            block_key = None if key is None else jax.random.fold_in(key, lax.axis_index(axes))
+            values = collective(list(blocks), [members[m] for m in blocked], block_key)
+            return tuple(to_local(values, axes))
+
+        values = jax.shard_map(on_blocks, in_specs=specs, out_specs=specs,
+                               axis_names=set(axes))(*(
+                                   _lay_out(leaves[m], spec, call.mesh)
+                                   for m, spec in zip(blocked, specs)))
+        for m, value in zip(blocked, values):
+            out[m] = value
+    return out
+
+
+def _need_step(codecs, key) -> None:
+    if key is None and any(c is not None and c.stochastic for c in codecs):
+        raise ValueError(
+            "cgx.value_and_grad: pass step= (an integer array that changes every step, "
+            "e.g. optimizer.step.value of an nnx.Optimizer, or a counter in your train "
+            "state): the policy rounds stochastically and its noise is folded from the "
+            "step, so it must not repeat")
 
 
 def _lay_out(g, spec, mesh):
@@ -366,87 +560,97 @@ def _with_clear_constraint_errors(call, axis_name):
             f"would then be reduced by JAX and again by cgx.") from error
 
 
-def _leaf_specs(grads, param_specs, axis_name) -> list:
+def _leaf_specs(grads, param_specs) -> list:
     """The ``PartitionSpec`` of every gradient leaf (``tree_leaves`` order)."""
     specs = _param_specs(grads, param_specs)
-    paths = jax.tree_util.tree_flatten_with_path(grads)[0]
     treedef = jax.tree_util.tree_structure(grads)
-    return [P(*_check_spec(spec, axis_name, jax.tree_util.keystr(path)))
-            for (path, _), spec in zip(paths, treedef.flatten_up_to(specs))]
+    return [P(*spec) for spec in treedef.flatten_up_to(specs)]
 
 
-def _compressed_mean(call: _Call, grads, residual, specs):
+def _compressed_mean(call: _Call, grads, residual):
     """Stage 2: the compressed mean of the stacked local gradients (plus each participant's
     error-feedback residual, when there is one), manual over every mesh axis, so each device
-    encodes its own shard. ``specs``: every leaf's ``PartitionSpec`` (from stage 1). Returns
-    the mean and the new residual (``None`` without one)."""
-    mesh, axis_name, policy, key = call.mesh, call.axis_name, call.policy, call.key
+    encodes its own shard. FSDP leaves, reduced in stage 1, only get their data dimension
+    back in place. Returns the mean and the new residual (``None`` without one)."""
+    mesh, axis_name, key, codecs = call.mesh, call.axis_name, call.key, call.codecs
     treedef = jax.tree_util.tree_structure(grads)
     leaves = jax.tree_util.tree_leaves(grads)
-    paths = leaf_paths(grads)
-    in_specs = [P(axis_name, *spec) for spec in specs]
-    # The policy decides on each parameter's whole shape, as cgx.summary shows it, not on
-    # the shard a device holds (a 4-way sharded matrix would otherwise fall under min_size).
-    params = [jax.ShapeDtypeStruct(g.shape[1:], g.dtype) for g in leaves]
-    codecs = policy.resolve_leaves(jax.tree_util.tree_unflatten(treedef, params))
-    residual_leaves = []
-    if residual is not None:
-        try:
-            residual_leaves = treedef.flatten_up_to(residual)
-        except (ValueError, TypeError) as error:
-            raise ValueError(f"residual must have the gradients' structure (from "
-                             f"cgx.init_residual): {error}") from None
-        for path, grad, res, codec in zip(paths, leaves, residual_leaves, codecs):
-            want = (grad.shape[0], *residual_shape(codec, grad.shape[1:]))  # a row each
-            if res.shape != want:
-                raise ValueError(
-                    f"residual leaf {path!r} has shape {res.shape}; its gradient "
-                    f"{grad.shape[1:]} is {'compressed' if codec else 'exact'} under the "
-                    f"policy, so its residual is {want} (one row per participant of "
-                    f"{axis_name!r}): make it with cgx.init_residual(params, mesh=..., "
-                    f"axis_name=..., policy=grad_fn), grad_fn the value_and_grad function")
-
-    if all(codec is None for codec in codecs) and policy.default is not None:
-        warn_nothing_compressed(policy, params)
-    noise_groups = _noise_groups(specs, mesh)
+    out = [_unstack_shard(leaves[j], call.fsdp[j], call.specs[j], mesh) if j in call.fsdp
+           else None for j in range(len(leaves))]
+    todo = [j for j in range(len(leaves)) if j not in call.fsdp]
+    residual_leaves = _checked_residual(call, treedef, leaves, residual)
+    if all(codec is None for codec in codecs) and call.policy.default is not None:
+        warn_nothing_compressed(call.policy, [jax.ShapeDtypeStruct(leaf.shape[1:], leaf.dtype)
+                                              for leaf in leaves])
+    noise_groups = _noise_groups([call.specs[j] for j in todo], mesh)
 
     def reduce(key, *stacked):
-        grads_in, residual_in = stacked[:len(leaves)], stacked[len(leaves):]
+        grads_in, residual_in = stacked[:len(todo)], stacked[len(todo):]
         local = [g[0] for g in grads_in]
         if residual_in:  # EF-SGD: what this participant's compression lost last step
             local = [with_residual(g, r[0]) for g, r in zip(local, residual_in)]
-        if key is None and any(c is not None and c.stochastic for c in codecs):
-            raise ValueError(
-                "cgx.value_and_grad: pass step= (an integer array that changes every step, "
-                "e.g. optimizer.step.value of an nnx.Optimizer, or a counter in your train "
-                "state): the policy rounds stochastically and its noise is folded from the "
-                "step, so it must not repeat")
-        reduced, lost = [None] * len(leaves), [None] * len(leaves)
+        _need_step([codecs[j] for j in todo], key)
+        reduced, lost = [None] * len(todo), [None] * len(todo)
         for number, (shard_axes, members) in enumerate(noise_groups.items()):
             group_key = key
             if key is not None and shard_axes:  # each distinct shard its own noise
                 group_key = jax.random.fold_in(jax.random.fold_in(key, number),
                                                lax.axis_index(shard_axes))
             means, errors = reduce_leaves(
-                [local[i] for i in members], [codecs[i] for i in members], axis_name,
+                [local[m] for m in members], [codecs[todo[m]] for m in members], axis_name,
                 key=group_key, algorithm=call.algorithm, backend=call.backend, mean=True,
-                with_loss=bool(residual_in), paths=[paths[i] for i in members])
-            for j, i in enumerate(members):
-                reduced[i] = means[j]
+                with_loss=bool(residual_in), paths=[call.paths[todo[m]] for m in members])
+            for k, m in enumerate(members):
+                reduced[m] = means[k]
                 if residual_in:  # an exact leaf keeps its zero
-                    lost[i] = (errors[j][None] if codecs[i] is not None
-                               else residual_in[i])
+                    lost[m] = (errors[k][None] if codecs[todo[m]] is not None
+                               else residual_in[m])
         return tuple(reduced), (tuple(lost) if residual_in else ())
 
-    key_spec = None if key is None else P()
-    residual_specs = tuple(spec if codec is not None else P(axis_name)  # a zero each
-                           for spec, codec in zip(in_specs, codecs)) if residual_leaves else ()
-    mean, lost = jax.shard_map(
-        reduce, mesh=mesh, in_specs=(key_spec, *in_specs, *residual_specs),
-        out_specs=(tuple(specs), residual_specs))(key, *leaves, *residual_leaves)
-    mean = jax.tree_util.tree_unflatten(treedef, list(mean))
-    return mean, (jax.tree_util.tree_unflatten(treedef, list(lost)) if residual_leaves
-                  else None)
+    if todo:
+        in_specs = [P(axis_name, *call.specs[j]) for j in todo]
+        residual_specs = tuple(spec if codecs[j] is not None else P(axis_name)  # a zero each
+                               for spec, j in zip(in_specs, todo)) if residual_leaves else ()
+        mean, lost = jax.shard_map(
+            reduce, mesh=mesh, in_specs=(None if key is None else P(), *in_specs,
+                                         *residual_specs),
+            out_specs=(tuple(call.specs[j] for j in todo), residual_specs))(
+            key, *(leaves[j] for j in todo), *residual_leaves)
+        for j, value in zip(todo, mean):
+            out[j] = value
+    out = jax.tree_util.tree_unflatten(treedef, out)
+    return out, (jax.tree_util.tree_unflatten(treedef, list(lost)) if residual_leaves
+                 else None)
+
+
+def _unstack_shard(rows, dim: int, spec, mesh):
+    """An FSDP gradient as stage 1 left it (its data dimension first, split over the data
+    axis) back in its parameter's layout."""
+    value = jnp.moveaxis(rows, 0, dim)
+    if any(_axis_type(mesh, n) == AxisType.Explicit for n in _axis_names(spec)):
+        return reshard(value, jax.sharding.NamedSharding(mesh, spec))
+    return lax.with_sharding_constraint(value, jax.sharding.NamedSharding(mesh, spec))
+
+
+def _checked_residual(call: _Call, treedef, leaves, residual) -> list:
+    """The residual's leaves (``[]`` without one), each checked against its gradient."""
+    if residual is None:
+        return []
+    try:
+        residual_leaves = treedef.flatten_up_to(residual)
+    except (ValueError, TypeError) as error:
+        raise ValueError(f"residual must have the gradients' structure (from "
+                         f"cgx.init_residual): {error}") from None
+    for path, grad, res, codec in zip(call.paths, leaves, residual_leaves, call.codecs):
+        want = (grad.shape[0], *residual_shape(codec, grad.shape[1:]))  # a row each
+        if res.shape != want:
+            raise ValueError(
+                f"residual leaf {path!r} has shape {res.shape}; its gradient "
+                f"{grad.shape[1:]} is {'compressed' if codec else 'exact'} under the "
+                f"policy, so its residual is {want} (one row per participant of "
+                f"{call.axis_name!r}): make it with cgx.init_residual(params, mesh=..., "
+                f"axis_name=..., policy=grad_fn), grad_fn the value_and_grad function")
+    return residual_leaves
 
 
 def _noise_groups(specs, mesh) -> dict:
@@ -488,7 +692,14 @@ def init_residual(params, *, mesh: Mesh, axis_name: str, param_specs=None, polic
         params = nnx.state(params, nnx.Param)
     params = partition(params, is_differentiable)[0]  # no residual for a function or an int
     rows = mesh.shape[axis_name]
-    specs = _leaf_specs(params, param_specs, axis_name)
+    specs = _leaf_specs(params, param_specs)
+    sharded = [path for path, spec in zip(leaf_paths(params), specs)
+               if _data_dim(spec, axis_name, path) is not None]
+    if sharded:
+        raise ValueError(
+            f"cgx.init_residual: parameters {sharded[:4]} are sharded over {axis_name!r} "
+            f"(FSDP), whose compressed reduce-scatter has no error feedback; error feedback "
+            f"is for parameters replicated over {axis_name!r}")
     treedef = jax.tree_util.tree_structure(params)
     codecs = (LayerPolicy() if policy is None else policy_of(policy)).resolve_leaves(params)
     zeros = [jax.device_put(jnp.zeros((rows, *residual_shape(codec, jnp.shape(p))),

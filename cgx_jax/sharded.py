@@ -79,17 +79,14 @@ def _open(x, axis_name, key, backend: str) -> _Call:
                  [path_name(p) for p, _ in flat_with_paths], treedef, num)
 
 
-def _choose_codecs(call: _Call, key, what: str, **choice) -> list:
-    """Each leaf's codec (``policy.choose_codecs`` with ``choice``); a ``ValueError`` when a
-    stochastic codec has no key."""
-    codecs = choose_codecs(call.leaves, call.treedef, **choice)
-    stochastic = [p for p, c in zip(call.paths, codecs) if c is not None and c.stochastic]
+def _need_key(codecs, key, paths, what: str) -> None:
+    """A ``ValueError`` when a stochastic codec has no key, naming the leaves."""
+    stochastic = [p for p, c in zip(paths, codecs) if c is not None and c.stochastic]
     if stochastic and key is None:
         raise ValueError(
             f"{what} rounds stochastically and needs a PRNG key: pass key=jax.random.key(...) "
             f"(a fresh one each step), or a codec with rounding='nearest'; leaves rounded "
             f"stochastically: {stochastic[:8]}")
-    return codecs
 
 
 def _agreed_plan(leaves, codecs, algorithm: str, num: int, what: str):
@@ -148,22 +145,42 @@ def compressed_all_gather(x, axis_name, *, axis: int = 0, tiled: bool = False,
             for leaf, path in zip(call.leaves, call.paths)]
     gathered = [_gathered_shape(leaf.shape, a, tiled, call.num)
                 for leaf, a in zip(call.leaves, axes)]
-    codecs = _choose_codecs(call, key, "compressed_all_gather's codec", codec=codec,
-                            policy=policy, default=LayerPolicy(default=WEIGHT_CODEC),
-                            shapes=gathered)
-    plan = _agreed_plan(call.leaves, codecs, "allgather", call.num, "compressed_all_gather")
-    out = [None] * len(call.leaves)
+    codecs = choose_codecs(call.leaves, call.treedef, codec=codec, policy=policy,
+                           default=LayerPolicy(default=WEIGHT_CODEC), shapes=gathered)
+    out = gather_leaves(call.leaves, codecs, axis_name, axes=axes, tiled=tiled, key=key,
+                        grad_codec=grad_codec, backend=backend, paths=call.paths)
+    return jax.tree_util.tree_unflatten(call.treedef, out)
+
+
+def gather_leaves(leaves, codecs, axis_name, *, axes, tiled: bool, key, grad_codec,
+                  backend: str, paths) -> list:
+    """The core of ``compressed_all_gather``: ``leaves`` (a list of arrays) each with its
+    codec (None: exact, through ``lax.all_gather``) and its gather ``axes``; ``paths`` name
+    them in errors. Plans, checks that the processes agree, gathers.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> codec = Codec(bits=8, bucket_size=64, rounding="nearest")
+        >>> f = jax.pmap(lambda w: gather_leaves([w], [codec], "i", axes=[0], tiled=True,
+        ...     key=None, grad_codec=None, backend="ffi", paths=["w"]), axis_name="i")
+        >>> f(jnp.ones((1, 4, 64)))[0].shape
+        (1, 4, 64)
+    """
+    _need_key(codecs, key, paths, "compressed_all_gather's codec")
+    plan = _agreed_plan(leaves, codecs, "allgather", axis_size(axis_name),
+                        "compressed_all_gather")
+    out = [None] * len(leaves)
     for i in plan.exact:
-        out[i] = lax.all_gather(call.leaves[i], axis_name, axis=axes[i], tiled=tiled)
+        out[i] = lax.all_gather(leaves[i], axis_name, axis=axes[i], tiled=tiled)
     if plan.segments:
         # Exact leaves are None here (no leaf of the custom_vjp's pytree, no cotangent).
-        compressed = [None if i in plan.exact else leaf for i, leaf in enumerate(call.leaves)]
+        compressed = [None if i in plan.exact else leaf for i, leaf in enumerate(leaves)]
         stacked = _gather_stacked(compressed, key,
                                   _GatherSettings(axis_name, plan, backend, grad_codec))
         for i, rows in enumerate(stacked):
             if rows is not None:
                 out[i] = _place_rows(rows, axes[i], tiled)
-    return jax.tree_util.tree_unflatten(call.treedef, out)
+    return out
 
 
 def _gathered_shape(shape, axis: int, tiled: bool, num: int) -> tuple:
@@ -270,12 +287,33 @@ def compressed_psum_scatter(x, axis_name, *, scatter_dimension: int = 0, tiled: 
                 f"scatter_dimension {dim} of {_leaf_name(path)} (shape {tuple(leaf.shape)}) must "
                 f"have size {want}, the size of axis {axis_name!r}"
                 f"{' (tiled=True)' if tiled else ' (tiled=False: one slice per participant)'}")
-    codecs = _choose_codecs(call, key, what, codec=codec, policy=policy)
-    rows = [_rows_of(leaf, dim, num) for leaf, dim in zip(call.leaves, dims)]
+    codecs = choose_codecs(call.leaves, call.treedef, codec=codec, policy=policy)
+    out = scatter_leaves(call.leaves, codecs, axis_name, dims=dims, tiled=tiled, key=key,
+                         backend=backend, paths=call.paths, what=what)
+    return jax.tree_util.tree_unflatten(call.treedef, out)
+
+
+def scatter_leaves(leaves, codecs, axis_name, *, dims, tiled: bool, key, backend: str, paths,
+                   what: str = "compressed_psum_scatter") -> list:
+    """The core of ``compressed_psum_scatter``: ``leaves`` (a list of arrays) each with its
+    codec (None: exact, through ``lax.psum_scatter``) and its scatter dimension in ``dims``
+    (of a size the axis divides); ``paths`` name them in errors. Plans, checks that the
+    processes agree, reduce-scatters.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> codec = Codec(bits=8, bucket_size=64, rounding="nearest")
+        >>> f = jax.pmap(lambda g: scatter_leaves([g], [codec], "i", dims=[0], tiled=True,
+        ...     key=None, backend="ffi", paths=["g"]), axis_name="i")
+        >>> float(f(jnp.ones((1, 4, 64)))[0][0, 0, 0])
+        1.0
+    """
+    _need_key(codecs, key, paths, what)
+    num = axis_size(axis_name)
+    rows = [_rows_of(leaf, dim, num) for leaf, dim in zip(leaves, dims)]
     plan = _agreed_plan(rows, codecs, REDUCE_SCATTER, num, what)
     out = run_scatter_plan(plan, rows, axis_name, key=key, backend=backend)
-    return jax.tree_util.tree_unflatten(
-        call.treedef, [_unrows(value, dim, tiled) for value, dim in zip(out, dims)])
+    return [_unrows(value, dim, tiled) for value, dim in zip(out, dims)]
 
 
 def _rows_of(leaf, dim: int, num: int):

@@ -101,7 +101,7 @@ def test_automatic_axes_inside_jit_warn_with_the_fix(cpu_devices):
     params, x, y = placed(mesh, cpu_devices)
     grad_fn = cgx.value_and_grad(mlp_loss, mesh=mesh, axis_name="batch", policy=EIGHT_BITS)
     with pytest.warns(UserWarning, match=re.escape(
-            "cannot see how parameters ['[0][0]', '[0][1]', '[1][0]'] ... are sharded over "
+            "cannot see how parameters ['0/0', '0/1', '1/0'] ... are sharded over "
             "the automatic mesh axes ('model',)")) as caught:
         (_, grads), _ = step_and_hlo(grad_fn, mesh, params, x, y)
     assert "param_specs=jax.tree.map(lambda a: a.sharding.spec, params)" in str(

@@ -291,7 +291,7 @@ def test_the_readme_recipe_runs_and_matches_exact_fsdp():
     updated parameters against the same step with lax.all_gather, the parameters keeping
     their row sharding."""
     readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
-    section = readme.split("## Sharded (FSDP) training", 1)[1]
+    section = readme.split("## Sharded (FSDP) training", 1)[1].split("**In `shard_map`.**", 1)[1]
     code = section.split("```python\n", 1)[1].split("```", 1)[0]
     cgx_run = {}
     exec(code, cgx_run)  # noqa: S102

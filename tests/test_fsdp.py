@@ -1,0 +1,246 @@
+"""FSDP through cgx.value_and_grad (cgx_jax/data_parallel.py, docs/design.md section 10): a
+third-party-style GSPMD FSDP tutorial (tests/fsdp_scripts.py) ported by three lines, against
+the nnx.value_and_grad step it replaces: losses, gradients (exact codecs, decoded weights,
+the codec's bound), types, structure and shardings, what the compiled step moves, and the
+errors of what is not supported."""
+
+import re
+
+import fsdp_scripts as fs
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from test_sharded import roundtrip
+
+import cgx_jax as cgx
+
+EXACT = cgx.LayerPolicy(default=None)
+W8 = cgx.Codec(bits=8, bucket_size=64, rounding="nearest")
+
+
+def fsdp_mesh(shape=(8,), names=("fsdp",)):
+    return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(names))
+
+
+def grads_of(mesh, model, use_cgx, step=0, **options):
+    """(loss, grads) of one batch: nnx.value_and_grad under GSPMD, or the cgx port."""
+    @nnx.jit
+    def grad(model, x, y, i):
+        def loss_fn(model, x, y):
+            return jnp.mean((model(x) - y) ** 2)
+        if use_cgx:
+            return cgx.value_and_grad(loss_fn, mesh=mesh, axis_name="fsdp", **options)(
+                model, x, y, step=i)
+        return nnx.value_and_grad(loss_fn)(model, x, y)
+
+    with jax.set_mesh(mesh):
+        x, y = fs.batch(mesh, step)
+        return grad(model, x, y, jnp.int32(step))
+
+
+def assert_like_nnx(got, want, model):
+    """The same type, structure and dtypes as nnx.value_and_grad's gradients, sharded like
+    the parameters (nnx's leave jit as XLA lays them out: replicated here)."""
+    assert type(got) is type(want)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    params = jax.tree.leaves(nnx.state(model, nnx.Param))
+    for g, w, p in zip(jax.tree.leaves(got), jax.tree.leaves(want), params):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        assert g.sharding.is_equivalent_to(p.sharding, g.ndim), (g.sharding, p.sharding)
+
+
+def relative_errors(got, want):
+    return [float(np.linalg.norm(np.asarray(g) - np.asarray(w)) / np.linalg.norm(np.asarray(w)))
+            for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want))]
+
+
+@pytest.mark.parametrize("kernel_axes", [("fsdp", None), (None, "fsdp")])
+def test_exact_codecs_give_nnx_value_and_grad(kernel_axes):
+    """Kernels sharded by rows or by columns over 'fsdp'."""
+    mesh = fsdp_mesh()
+    model, _ = fs.make_model(mesh, kernel_axes=kernel_axes)
+    loss, grads = grads_of(mesh, model, True, policy=EXACT, weight_policy=EXACT)
+    want_loss, want = grads_of(mesh, model, False)
+    assert_like_nnx(grads, want, model)
+    assert grads["linear1"]["kernel"].sharding.is_equivalent_to(
+        NamedSharding(mesh, P(*kernel_axes)), 2)
+    np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-6)
+    for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want)):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-7)
+
+
+def test_weights_are_used_as_every_participant_decodes_them():
+    """8-bit weights, exact gradients: the loss and gradients are nnx.value_and_grad's at the
+    weights decoded as the numpy model decodes each shard (the gather's wiring)."""
+    mesh = fsdp_mesh()
+    model, _ = fs.make_model(mesh)
+    loss, grads = grads_of(mesh, model, True, policy=EXACT,
+                           weight_policy=cgx.LayerPolicy(default=W8))
+    decoded, _ = fs.make_model(mesh)
+    for layer in (decoded.linear1, decoded.linear2):
+        kernel = np.asarray(layer.kernel[...])
+        shards = np.split(kernel, 8, axis=0)
+        layer.kernel[...] = jax.device_put(np.concatenate([roundtrip(s, W8) for s in shards]),
+                                           layer.kernel[...].sharding)
+    want_loss, want = grads_of(mesh, decoded, False)
+    _, exact = grads_of(mesh, model, False)
+    np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-6)
+    for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want)):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-7)
+    assert max(relative_errors(grads, exact)) > 1e-5  # the weights did travel at 8 bits
+
+
+def local_gradients(model, mesh, num=8):
+    """Each participant's exact gradient of its own rows' loss (plain jax, one device)."""
+    x, y = (np.asarray(a) for a in fs.batch(mesh, 0))
+    rows = len(x) // num
+    loss = lambda m, x, y: jnp.mean((m(x) - y) ** 2)  # noqa: E731
+    host = nnx.merge(nnx.graphdef(model), jax.device_get(nnx.state(model)))
+    return [nnx.grad(loss)(host, x[k * rows:(k + 1) * rows], y[k * rows:(k + 1) * rows])
+            for k in range(num)]
+
+
+def test_compressed_gradients_are_within_the_codec_bound_and_unbiased():
+    """Exact weights, the default 4-bit stochastic gradients: every value of a kernel's
+    gradient within one quantization step of each participant's local gradient (its range /
+    15, averaged over participants) of nnx's; the mean over 8 steps' noise much closer (no
+    bias); the same step gives the same bits, biases (exact) nnx's."""
+    mesh = fsdp_mesh()
+    model, _ = fs.make_model(mesh)
+    _, want = grads_of(mesh, model, False)
+    runs = [grads_of(mesh, model, True, seed=seed, weight_policy=EXACT)[1] for seed in range(8)]
+    assert_like_nnx(runs[0], want, model)
+    local = local_gradients(model, mesh)
+    for layer in ("linear1", "linear2"):
+        exact = np.asarray(want[layer]["kernel"][...], np.float64)
+        unit = np.mean([np.ptp(np.asarray(g[layer]["kernel"][...])) / 15 for g in local])
+        errors = [np.asarray(r[layer]["kernel"][...], np.float64) - exact for r in runs]
+        assert np.max(np.abs(errors)) <= unit * (1 + 1e-4), layer
+        single, mean = np.mean(np.abs(errors[0])), np.mean(np.abs(np.mean(errors, axis=0)))
+        assert 0 < mean < 0.5 * single, (layer, mean, single)  # 8 draws: about 1/sqrt(8)
+        np.testing.assert_allclose(runs[0][layer]["bias"][...], want[layer]["bias"][...],
+                                   rtol=1e-5, atol=1e-7)
+    again = grads_of(mesh, model, True, seed=0, weight_policy=EXACT)[1]
+    for a, b in zip(jax.tree.leaves(runs[0]), jax.tree.leaves(again)):
+        np.testing.assert_array_equal(a, b)  # the same step and seed: the same bits
+
+
+def collectives(hlo):
+    """(op, [(dtype, dims) of each output]) of every collective of compiled HLO text."""
+    found = []
+    for line in hlo.splitlines():
+        m = re.search(r"= (.*?) (all-gather|all-to-all|reduce-scatter|all-reduce|"
+                      r"collective-permute)(-start)?\(", line)
+        if m:
+            shapes = [(dtype, tuple(int(d) for d in dims.split(",") if d))
+                      for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]", m.group(1))]
+            found.append((m.group(2), shapes))
+    return found
+
+
+def weights_travel_as_packets(hlo, batch_rows):
+    """Whether every collective of more than 2,048 floats (the biases) carries activations
+    (a dimension of ``batch_rows``, the rows of one participant: model-parallel traffic, as
+    in the original) rather than weights or their gradients; and something was gathered and
+    exchanged as u8 packets."""
+    found = collectives(hlo)
+    large = [(op, dims) for op, shapes in found for dtype, dims in shapes
+             if dtype != "u8" and np.prod(dims) > 2048]
+    packets = {op for op, shapes in found for dtype, _ in shapes if dtype == "u8"}
+    return all(batch_rows in dims for _, dims in large) and packets >= {"all-gather",
+                                                                        "all-to-all"}
+
+
+def compiled_step_hlo(mesh, use_cgx, kernel_axes=("fsdp", None), **options):
+    model, momentum = fs.make_model(mesh, kernel_axes=kernel_axes)
+    graph, state = nnx.split(model)
+    step = fs.step_fn(mesh, use_cgx, **options)
+
+    def pure(state, momentum, x, y, i):
+        m = nnx.merge(graph, state)
+        loss, momentum = step(m, momentum, x, y, i)
+        return loss, momentum, nnx.state(m)
+
+    with jax.set_mesh(mesh):
+        x, y = fs.batch(mesh, 0)
+        return jax.jit(pure).lower(state, momentum, x, y, jnp.int32(0)).compile().as_text()
+
+
+def test_the_compiled_step_moves_only_packets_of_the_large_weights_and_gradients():
+    mesh = fsdp_mesh()
+    assert not weights_travel_as_packets(compiled_step_hlo(mesh, False), 24)  # f32 kernels
+    assert weights_travel_as_packets(compiled_step_hlo(mesh, True), 24)
+
+
+def test_the_tutorial_ported_in_three_lines_trains_as_the_original():
+    """60 steps: the loss within 5% of the original's (here within 1%), parameters and
+    momentum still sharded over 'fsdp' as the original keeps them."""
+    mesh = fsdp_mesh()
+    want, model_want, momentum_want = fs.train(mesh, False, 60)
+    got, model_got, momentum_got = fs.train(mesh, True, 60)
+    assert want[-1] < 0.3 * want[0]  # it learns
+    assert abs(got[-1] - want[-1]) < 0.01 * want[-1], (got[-1], want[-1])
+    for tree_got, tree_want in ((nnx.state(model_got, nnx.Param),
+                                 nnx.state(model_want, nnx.Param)),
+                                (momentum_got, momentum_want)):
+        assert jax.tree.structure(tree_got) == jax.tree.structure(tree_want)
+        for g, w in zip(jax.tree.leaves(tree_got), jax.tree.leaves(tree_want)):
+            assert g.sharding.is_equivalent_to(w.sharding, g.ndim), (g.sharding, w.sharding)
+    assert momentum_got["linear2"]["kernel"].sharding.is_equivalent_to(
+        NamedSharding(mesh, P("fsdp", None)), 2)
+
+
+def test_what_is_not_supported_is_a_clear_error():
+    mesh = fsdp_mesh()
+    model, _ = fs.make_model(mesh)
+    with pytest.raises(ValueError, match=r"param_specs gives parameter 'linear1/kernel' the "
+                                         r"spec P\(\), but it is sharded over the "
+                                         r"data axis 'fsdp'"):
+        grads_of(mesh, model, True, param_specs=P())
+    with pytest.raises(ValueError, match=r"cgx.init_residual: parameters \['linear1/kernel', "
+                                         r"'linear2/kernel'\] are sharded over 'fsdp'"):
+        cgx.init_residual(model, mesh=mesh, axis_name="fsdp")
+    with pytest.raises(ValueError, match="pass step="):
+        with jax.set_mesh(mesh):
+            x, y = fs.batch(mesh, 0)
+            nnx.jit(lambda m, x, y: cgx.value_and_grad(
+                lambda m, x, y: jnp.mean((m(x) - y) ** 2), mesh=mesh, axis_name="fsdp")(
+                m, x, y))(model, x, y)
+
+
+@pytest.mark.parametrize("kernel_axes", [("fsdp", None), ("fsdp", "model")])
+def test_a_2d_mesh_with_weights_sharded_over_both_axes(kernel_axes):
+    """('fsdp', 'model') mesh, kernels sharded over 'fsdp' only or over both: exact codecs
+    give nnx's gradients, sharded like the parameters; the compiled step moves only packets of
+    the kernels (no f32 gather of a shard over 'model')."""
+    mesh = fsdp_mesh((4, 2), ("fsdp", "model"))
+    model, _ = fs.make_model(mesh, kernel_axes=kernel_axes)
+    loss, grads = grads_of(mesh, model, True, policy=EXACT, weight_policy=EXACT)
+    want_loss, want = grads_of(mesh, model, False)
+    assert_like_nnx(grads, want, model)
+    np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-6)
+    for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want)):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-7)
+    assert weights_travel_as_packets(compiled_step_hlo(mesh, True, kernel_axes), 48)
+
+
+def test_the_memory_tool_runs_and_keeps_only_shards_of_the_parameters():
+    """tools/fsdp_memory.py (docs/performance.md), on a small model: the cgx FSDP step's
+    arguments are the original FSDP step's (the parameters' shards; the step counter aside),
+    about 1/8 of the data parallel step's."""
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "tools", "fsdp_memory.py")
+    spec = importlib.util.spec_from_file_location("fsdp_memory", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    mesh = fsdp_mesh()
+    sizes = dict(width=256, depth=2, rows=64)
+    _, fsdp_args = tool.step_memory(mesh, ("fsdp", None), False, **sizes)
+    _, cgx_args = tool.step_memory(mesh, ("fsdp", None), True, **sizes)
+    _, dp_args = tool.step_memory(mesh, (None, None), False, **sizes)
+    assert abs(cgx_args - fsdp_args) < 1e-3 and cgx_args < 0.25 * dp_args  # 1e-3: the step
