@@ -43,13 +43,13 @@ from cgx_jax.policy import (
     residual_shape,
     with_residual,
 )
-from cgx_jax.sharded import WEIGHT_CODEC, gather_leaves, scatter_leaves
+from cgx_jax.sharded import WEIGHT_CODEC, gather_leaves
 from cgx_jax.trees import combine, is_array, is_differentiable, partition
 from cgx_jax.vma import local_value_and_grad, to_local
 
-# The noise of the FSDP weights' gather and gradients' reduce-scatter, folded into the step's
-# key apart from the noise groups of the compressed mean (which fold small group numbers).
-_GATHER_STREAM, _SCATTER_STREAM = 0x6A7E, 0x5CA7
+# The noise of the FSDP weights' gather (and its gradients' reduce-scatter), folded into the
+# step's key apart from the noise groups of the compressed mean (which fold small numbers).
+_GATHER_STREAM = 0x6A7E
 
 
 def _param_specs(grads, param_specs):
@@ -133,12 +133,12 @@ def value_and_grad(fun: Callable, *, mesh: Mesh, axis_name: str, argnums=0,
 
     FSDP: a parameter whose spec shards one dimension over ``axis_name`` (GSPMD FSDP, as
     ``nnx.with_partitioning(init, (axis_name, None))`` or ``P(axis_name, None)`` writes it)
-    stays sharded. Inside the step each participant gathers it whole with
-    ``compressed_all_gather`` (``weight_policy``), the loss runs on the gathered weights, and
-    its gradient comes back through ``compressed_psum_scatter`` (``policy``), averaged and
-    sharded like the parameter, so ``nnx.Optimizer``/Optax update shards. Its other
-    dimensions may be sharded over other mesh axes (each device then gathers and
-    reduce-scatters only its block). All gathered weights are alive during the step.
+    stays sharded. Inside the differentiated loss each participant gathers it whole with
+    the compressed all-gather (``weight_policy``), one gather per parameter, and the
+    backward pass reduce-scatters its gradient with the compressed reduce-scatter
+    (``policy``) as soon as it has it: averaged and sharded like the parameter, so
+    ``nnx.Optimizer``/Optax update shards. Its other dimensions may be sharded over other
+    mesh axes (each device then gathers and reduce-scatters only its block).
 
     ``step``: an integer array that differs every step (``optimizer.step.value`` of an
     ``nnx.Optimizer``, or a counter in the train state); the stochastic rounding noise is
@@ -381,29 +381,33 @@ def _step_key(step, seed: int):
 
 def _local_gradients(call: _Call, flat_args):
     """Stage 1: each participant's loss and gradient, manual over the data axis only. FSDP
-    parameters arrive as this participant's shard and are gathered whole (compressed) before
-    the loss runs; their gradients leave reduce-scattered (compressed) and averaged, the data
-    dimension moved first. Returns the loss (averaged), the gradients stacked one row per
-    participant (an FSDP leaf: its shards, as rows), and the NNX modules' other state."""
+    parameters arrive as this participant's shard and are gathered whole (compressed) inside
+    the differentiated loss (``_gathering_loss``); their gradients leave reduce-scattered
+    (compressed) and averaged, the data dimension moved first. Returns the loss (averaged),
+    the gradients stacked one row per participant (an FSDP leaf: its shards, as rows), and
+    the NNX modules' other state."""
     mesh, axis_name, positions = call.mesh, call.axis_name, call.positions
     in_specs = tuple(_input_specs(call, i, arg) if i in positions else P(axis_name)
                      for i, arg in enumerate(flat_args))
 
     def local(*local_args):
-        local_args = _gather_fsdp_weights(call, list(local_args))
+        local_args = list(local_args)
         modules = {}
         for i, graph in call.graphs.items():
             local_args[i] = modules[i] = flax_compat.nnx().merge(graph, local_args[i])
+        _need_step([call.codecs[j] for j in call.fsdp], call.key)
         out, grads = _with_clear_constraint_errors(
-            lambda: local_value_and_grad(call.loss, axis_name, argnums=positions,
+            lambda: local_value_and_grad(_gathering_loss(call), axis_name, argnums=positions,
                                          has_aux=call.has_aux)(*local_args), axis_name)
         out = jax.tree.map(lambda v: lax.pmean(v, axis_name), out)
         leaves, treedef = jax.tree_util.tree_flatten(grads)
-        shards = _scatter_fsdp_gradients(call, leaves)
-        # Each gradient laid out like its parameter over the automatic axes, so it leaves
-        # this stage as stage 2 reads it (left to XLA, it was gathered whole over 'model').
-        stacked = [jnp.moveaxis(shards[j], call.fsdp[j], 0) if j in call.fsdp
-                   else _lay_out(g, spec, mesh)[None]
+        # An FSDP leaf's gradient is this participant's shard of the sum: averaged, its data
+        # dimension first. The others laid out like their parameters over the automatic
+        # axes, so they leave this stage as stage 2 reads them (left to XLA, they were
+        # gathered whole over 'model').
+        num = mesh.shape[axis_name]
+        stacked = [jnp.moveaxis((g.astype(jnp.float32) / num).astype(g.dtype), call.fsdp[j], 0)
+                   if j in call.fsdp else _lay_out(g, spec, mesh)[None]
                    for j, (g, spec) in enumerate(zip(leaves, call.specs))]
         # The modules' other state, agreed over the data axis by local_value_and_grad.
         states = {}
@@ -433,50 +437,57 @@ def _input_specs(call: _Call, i: int, arg):
     return jax.tree_util.tree_map_with_path(spec, arg)
 
 
-def _gather_fsdp_weights(call: _Call, args) -> list:
-    """``args`` with every FSDP shard gathered whole over the data axis by the compressed
-    all-gather (``weight_codecs``)."""
-    key = None if call.key is None else jax.random.fold_in(call.key, _GATHER_STREAM)
-    for i, by_path in call.fsdp_paths.items():
-        if not by_path:
-            continue
-        flat, treedef = jax.tree_util.tree_flatten_with_path(args[i])
-        leaves = [leaf for _, leaf in flat]
-        at = [n for n, (path, _) in enumerate(flat) if jax.tree_util.keystr(path) in by_path]
-        members = [by_path[jax.tree_util.keystr(flat[n][0])] for n in at]
-
-        def gather(shards, members, key):
-            return gather_leaves(
-                shards, [call.weight_codecs[j] for j in members], call.axis_name,
-                axes=[call.fsdp[j] for j in members], tiled=True, key=key, grad_codec=None,
-                backend=call.backend, paths=[call.paths[j] for j in members])
-
-        for n, value in zip(at, _per_block(call, gather, [leaves[n] for n in at], members,
-                                           key)):
-            leaves[n] = value
-        args[i] = jax.tree_util.tree_unflatten(treedef, leaves)
-    return args
-
-
-def _scatter_fsdp_gradients(call: _Call, grads) -> dict:
-    """{FSDP leaf: this participant's shard of its gradient averaged over the data axis}, by
-    the compressed reduce-scatter of the local gradients (``codecs``)."""
+def _gathering_loss(call: _Call):
+    """``call.loss`` that first gathers its FSDP parameters' shards whole, each with its own
+    compressed all-gather, whose VJP reduce-scatters that parameter's gradient (compressed,
+    summed over the data axis) as soon as the backward pass has produced it."""
     if not call.fsdp:
-        return {}
-    members = sorted(call.fsdp)
-    _need_step([call.codecs[j] for j in members], call.key)
-    key = None if call.key is None else jax.random.fold_in(call.key, _SCATTER_STREAM)
+        return call.loss
+    nnx = flax_compat.nnx
 
-    def scatter(local, members, key):
-        return scatter_leaves(
-            local, [call.codecs[j] for j in members], call.axis_name,
-            dims=[call.fsdp[j] for j in members], tiled=True, key=key, backend=call.backend,
-            paths=[call.paths[j] for j in members], what="the gradient of FSDP parameters")
+    def loss(*args):
+        args, modules = list(args), {}
+        for i, by_path in call.fsdp_paths.items():
+            if not by_path:
+                continue
+            if i in call.graphs:
+                graph, state = nnx().split(args[i])
+                modules[i] = args[i]
+                args[i] = nnx().merge(graph, _gather_fsdp_leaves(call, i, state))
+            else:
+                args[i] = _gather_fsdp_leaves(call, i, args[i])
+        out = call.loss(*args)
+        for i, module in modules.items():  # its other state, as the loss left it
+            nnx().update(module, nnx().state(args[i], nnx().Not(nnx().Param)))
+        return out
 
-    sums = _per_block(call, scatter, [grads[j] for j in members], members, key)
-    num = call.mesh.shape[call.axis_name]
-    return {j: (total.astype(jnp.float32) / num).astype(total.dtype)
-            for j, total in zip(members, sums)}
+    return loss
+
+
+def _gather_fsdp_leaves(call: _Call, i: int, tree):
+    """``tree`` (argument ``i`` as it travelled) with its FSDP shards gathered whole over the
+    data axis (``weight_codecs``; their gradients reduce-scattered with ``codecs``)."""
+    by_path = call.fsdp_paths[i]
+    flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    leaves = [leaf for _, leaf in flat]
+    at = [n for n, (path, _) in enumerate(flat) if jax.tree_util.keystr(path) in by_path]
+    members = [by_path[jax.tree_util.keystr(flat[n][0])] for n in at]
+    key = None if call.key is None else jax.random.fold_in(call.key, _GATHER_STREAM)
+
+    def gather(shards, members, key):
+        return gather_leaves(
+            shards, [call.weight_codecs[j] for j in members], call.axis_name,
+            axes=[call.fsdp[j] for j in members], tiled=True, key=key,
+            grad_codecs=[call.codecs[j] for j in members], backend=call.backend,
+            paths=[call.paths[j] for j in members])
+
+    # One gather each, so that the backward pass reduce-scatters each gradient as soon as it
+    # has it: one custom VJP for all would hold every full gradient until the last
+    # (docs/performance.md measures both).
+    for n, j in zip(at, members):
+        leaves[n] = _per_block(call, gather, [leaves[n]], [j], jax.random.fold_in(key, j)
+                               if key is not None else None)[0]
+    return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
 def _other_spec(call: _Call, j: int):

@@ -21,17 +21,16 @@ import jax.numpy as jnp
 from jax import lax
 
 from cgx_jax import fusion
-from cgx_jax.axes import axis_size
+from cgx_jax.axes import axis_size, axis_tuple
 from cgx_jax.backends import BACKENDS, get_backend
-from cgx_jax.codec import Codec
+from cgx_jax.codec import Codec, packet_bytes
 from cgx_jax.collectives import REDUCE_SCATTER
-from cgx_jax.collectives.transport import column_offsets
 from cgx_jax.consistency import check_processes_agree
 from cgx_jax.policy import LayerPolicy, choose_codecs, path_name
 from cgx_jax.reduction import ReductionPlan, plan_reduction, run_scatter_plan, segment_seeds
 from cgx_jax.seeds import seed_bits
 from cgx_jax.validation import check_choice, check_codec
-from cgx_jax.vma import to_local
+from cgx_jax.vma import to_local, varying_axes
 
 # Weights travel at 8 bits with nearest rounding (no key needed, error below 0.2% of each
 # bucket's range); gradients at the library's default, 4-bit stochastic (unbiased).
@@ -99,12 +98,15 @@ def _agreed_plan(leaves, codecs, algorithm: str, num: int, what: str):
 
 @dataclasses.dataclass(frozen=True)
 class _GatherSettings:
-    """The static settings of one compressed gather (hashable, for ``custom_vjp``)."""
+    """The static settings of one compressed gather (hashable, for ``custom_vjp``):
+    ``grad_codecs`` and ``paths`` one per leaf of the plan (the cotangent's codec, None:
+    exact; the leaf's name in errors)."""
 
     axis_name: Hashable
     plan: ReductionPlan
     backend: str
-    grad_codec: Codec | None
+    grad_codecs: tuple
+    paths: tuple
 
 
 # ---------------------------------------------------------------------------
@@ -147,22 +149,26 @@ def compressed_all_gather(x, axis_name, *, axis: int = 0, tiled: bool = False,
                 for leaf, a in zip(call.leaves, axes)]
     codecs = choose_codecs(call.leaves, call.treedef, codec=codec, policy=policy,
                            default=LayerPolicy(default=WEIGHT_CODEC), shapes=gathered)
+    # Leaves gathered exactly get lax.all_gather's gradient, the exact reduce-scatter.
     out = gather_leaves(call.leaves, codecs, axis_name, axes=axes, tiled=tiled, key=key,
-                        grad_codec=grad_codec, backend=backend, paths=call.paths)
+                        grad_codecs=[None if c is None else grad_codec for c in codecs],
+                        backend=backend,
+                        paths=call.paths)
     return jax.tree_util.tree_unflatten(call.treedef, out)
 
 
-def gather_leaves(leaves, codecs, axis_name, *, axes, tiled: bool, key, grad_codec,
+def gather_leaves(leaves, codecs, axis_name, *, axes, tiled: bool, key, grad_codecs,
                   backend: str, paths) -> list:
     """The core of ``compressed_all_gather``: ``leaves`` (a list of arrays) each with its
-    codec (None: exact, through ``lax.all_gather``) and its gather ``axes``; ``paths`` name
-    them in errors. Plans, checks that the processes agree, gathers.
+    codec (None: exact, through ``lax.all_gather``), its gather ``axes`` and the codec of its
+    gradient's reduce-scatter in ``grad_codecs`` (None: exact); ``paths`` name them in
+    errors. Plans, checks that the processes agree, gathers.
 
     Example:
         >>> import jax, jax.numpy as jnp
         >>> codec = Codec(bits=8, bucket_size=64, rounding="nearest")
         >>> f = jax.pmap(lambda w: gather_leaves([w], [codec], "i", axes=[0], tiled=True,
-        ...     key=None, grad_codec=None, backend="ffi", paths=["w"]), axis_name="i")
+        ...     key=None, grad_codecs=[None], backend="ffi", paths=["w"]), axis_name="i")
         >>> f(jnp.ones((1, 4, 64)))[0].shape
         (1, 4, 64)
     """
@@ -170,13 +176,17 @@ def gather_leaves(leaves, codecs, axis_name, *, axes, tiled: bool, key, grad_cod
     plan = _agreed_plan(leaves, codecs, "allgather", axis_size(axis_name),
                         "compressed_all_gather")
     out = [None] * len(leaves)
+    # Through the custom VJP: compressed leaves, and exact ones whose gradient is compressed
+    # (the others are None there: no leaf of its pytree, no cotangent).
+    through = [leaf if i not in plan.exact or grad_codecs[i] is not None else None
+               for i, leaf in enumerate(leaves)]
     for i in plan.exact:
-        out[i] = lax.all_gather(leaves[i], axis_name, axis=axes[i], tiled=tiled)
-    if plan.segments:
-        # Exact leaves are None here (no leaf of the custom_vjp's pytree, no cotangent).
-        compressed = [None if i in plan.exact else leaf for i, leaf in enumerate(leaves)]
-        stacked = _gather_stacked(compressed, key,
-                                  _GatherSettings(axis_name, plan, backend, grad_codec))
+        if through[i] is None:
+            out[i] = lax.all_gather(leaves[i], axis_name, axis=axes[i], tiled=tiled)
+    if any(leaf is not None for leaf in through):
+        settings = _GatherSettings(axis_name, plan, backend, tuple(grad_codecs), tuple(paths))
+        packets = _gather_packets(through, key, settings) if plan.segments else None
+        stacked = _decode_stacked(through, packets, key, settings)
         for i, rows in enumerate(stacked):
             if rows is not None:
                 out[i] = _place_rows(rows, axes[i], tiled)
@@ -200,52 +210,77 @@ def _place_rows(rows, axis: int, tiled: bool):
     return moved.reshape(shape[:axis] + (shape[axis] * shape[axis + 1],) + shape[axis + 2:])
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _gather_stacked(leaves, key, settings: _GatherSettings):
-    """``[N, *shape]`` per leaf of ``settings.plan``'s segments (None where the plan has an
-    exact leaf): every participant's shard, decoded from the gathered packets. Planned like
-    the all-gather all-reduce: leaves sharing a codec packed bucket-aligned into segments, a
-    large leaf read in place."""
+def _gather_packets(leaves, key, settings: _GatherSettings):
+    """``uint8 [N, W]``: row k participant k's packets of the plan's segments, one after the
+    other. Planned like the all-gather all-reduce: leaves sharing a codec packed
+    bucket-aligned into segments, a large leaf read in place. No gradient flows through the
+    packets (``_decode_stacked``'s VJP gives the leaves theirs)."""
     backend, plan = get_backend(settings.backend), settings.plan
+    leaves = [None if leaf is None else lax.stop_gradient(leaf) for leaf in leaves]
     seeds = segment_seeds(plan, key, settings.axis_name)  # each segment its own noise
     packets = [backend.quantize_rows(plan.pack(segment, leaves), seed[0], segment.codec,
                                      n=segment.length)
                for segment, seed in zip(plan.segments, seeds)]
     # Plain lax.all_gather, so the result is typed varying as lax.all_gather's is.
-    gathered = lax.all_gather(jnp.concatenate(packets, axis=1)[0], settings.axis_name)
+    return lax.all_gather(jnp.concatenate(packets, axis=1)[0], settings.axis_name)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _decode_stacked(leaves, gathered, key, settings: _GatherSettings):
+    """``[N, *shape]`` per leaf that is not None: every participant's shard, decoded from
+    the ``gathered`` packets (the plan's segments) or, for an exact leaf, gathered exactly.
+    The leaves of segments give only their shapes and dtypes; all receive the gradient: the
+    reduce-scatter of the cotangent, through ``scatter_leaves`` with ``grad_codecs``."""
+    backend, plan = get_backend(settings.backend), settings.plan
     out = [None] * len(leaves)
-    for segment, offset in zip(plan.segments, column_offsets(packets)):
+    for i in plan.exact:
+        if leaves[i] is not None:
+            out[i] = lax.all_gather(leaves[i], settings.axis_name, axis=0, tiled=False)
+    offset = 0
+    for segment in plan.segments:
         decoded = backend.dequantize_rows(gathered, segment.codec, segment.length, "float32",
                                           offset=offset)
+        offset += packet_bytes(segment.length, segment.codec)
         shapes = [leaves[i].shape for i in segment.leaves]
         rows = jax.vmap(lambda row, s=shapes, b=segment.codec.bucket_size:
                         fusion.unpack(row, s, b))(decoded)
         for i, value in zip(segment.leaves, rows):
             out[i] = value.astype(leaves[i].dtype)
-    # Typed varying, as lax.all_gather's result (the kernels' outputs carry no axis type).
-    return to_local(out, settings.axis_name)
+    # Typed varying, as lax.all_gather's result (the kernels' outputs carry no axis type),
+    # and over any other axis its leaf varies over (so the cotangent, and the gradient the
+    # VJP gives the leaf, are typed as the leaf).
+    return [None if value is None else to_local(value, _with_axis(leaf, settings.axis_name))
+            for leaf, value in zip(leaves, out)]
 
 
-def _gather_stacked_fwd(leaves, key, settings):
-    return _gather_stacked(leaves, key, settings), key
+def _with_axis(leaf, axis_name) -> tuple:
+    """The axes ``leaf`` varies over, and ``axis_name``."""
+    return tuple(sorted(varying_axes(leaf) | set(axis_tuple(axis_name)), key=str))
 
 
-def _gather_stacked_bwd(settings, key, cotangents):
+def _decode_stacked_fwd(leaves, gathered, key, settings):
+    return _decode_stacked(leaves, gathered, key, settings), key
+
+
+def _decode_stacked_bwd(settings, key, cotangents):
     # The transpose of a gather is a reduce-scatter of the cotangent over the new axis.
-    if settings.grad_codec is None:
-        grads = [None if ct is None else
-                 lax.psum_scatter(ct, settings.axis_name, scatter_dimension=0, tiled=False)
-                 for ct in cotangents]
-    else:
-        grad_key = None if key is None else jax.random.fold_in(key, 1)
-        grads = compressed_psum_scatter(list(cotangents), settings.axis_name,
-                                        codec=settings.grad_codec, key=grad_key,
-                                        backend=settings.backend, what="the gradient of "
-                                        "compressed_all_gather (grad_codec)")
-    return grads, None
+    members = [i for i, ct in enumerate(cotangents) if ct is not None]
+    grad_key = None if key is None else jax.random.fold_in(key, 1)
+    grads = scatter_leaves(
+        [cotangents[i] for i in members], [settings.grad_codecs[i] for i in members],
+        settings.axis_name, dims=[0] * len(members), tiled=False, key=grad_key,
+        backend=settings.backend, paths=[settings.paths[i] for i in members],
+        what="the gradient of compressed_all_gather (grad_codec)")
+    out = [None] * len(cotangents)
+    for i, grad in zip(members, grads):
+        # Typed varying over the axes the cotangent varies over (inside a shard_map manual
+        # over more axes than this gather's, those too), as the leaf is.
+        axes = tuple(sorted(varying_axes(cotangents[i]), key=str))
+        out[i] = to_local(grad, axes) if axes else grad
+    return out, None, None
 
 
-_gather_stacked.defvjp(_gather_stacked_fwd, _gather_stacked_bwd)
+_decode_stacked.defvjp(_decode_stacked_fwd, _decode_stacked_bwd)
 
 
 # ---------------------------------------------------------------------------
