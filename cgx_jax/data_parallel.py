@@ -104,8 +104,8 @@ def value_and_grad(fun: Callable, *, mesh: Mesh, axis_name: str, argnums=0,
 
     Args:
       fun: the loss, ``fun(*args) -> scalar`` (``(scalar, aux)`` with ``has_aux``), written
-        for the whole batch as under GSPMD; it runs once per data-parallel participant on
-        that participant's rows.
+        as under GSPMD, but run once per data-parallel participant on that participant's
+        rows: sizes taken from the arrays (``x.shape[0]``), not from the global batch.
       mesh: the mesh the step runs on; axis_name: its data-parallel axis. Every argument not
         in ``argnums`` is a batch, split over ``axis_name`` along its first dimension;
         arguments in ``argnums`` (parameters, or an NNX module) may be sharded over the other
@@ -557,18 +557,25 @@ def _split_rows(x, mesh, axis_name):
 def _with_clear_constraint_errors(call, axis_name):
     try:
         return call()
-    except ValueError as error:
+    except (TypeError, ValueError) as error:
         message = str(error)
         spec = message.partition("Got spec=")[2].partition(" and mesh=")[0]
-        if "can only refer to Auto axes" not in message or repr(axis_name) not in spec:
-            raise
-        raise ValueError(
-            f"cgx.value_and_grad runs the loss once per data-parallel participant, manual "
-            f"over {axis_name!r}: a jax.lax.with_sharding_constraint (or nnx sharding "
-            f"constraint) in the model names {axis_name!r}. Drop {axis_name!r} from that "
-            f"spec (P({axis_name!r}, 'model') becomes P(None, 'model')): each participant "
-            f"already holds only its rows. Do not turn off check_vma instead: the gradients "
-            f"would then be reduced by JAX and again by cgx.") from error
+        if "can only refer to Auto axes" in message and repr(axis_name) in spec:
+            raise ValueError(
+                f"cgx.value_and_grad runs the loss once per data-parallel participant, manual "
+                f"over {axis_name!r}: a jax.lax.with_sharding_constraint (or nnx sharding "
+                f"constraint) in the model names {axis_name!r}. Drop {axis_name!r} from that "
+                f"spec (P({axis_name!r}, 'model') becomes P(None, 'model')): each participant "
+                f"already holds only its rows. Do not turn off check_vma instead: the "
+                f"gradients would then be reduced by JAX and again by cgx.") from error
+        if "shape" in message:  # perhaps shapes written for the global batch
+            error.add_note(
+                f"cgx.value_and_grad runs the loss once per participant of {axis_name!r}, on "
+                f"that participant's rows of every batch argument: if the loss computes a "
+                f"shape from the global batch size (x.reshape(B * S, -1) with B the global "
+                f"batch), it does not fit them. Take sizes from the arrays themselves "
+                f"(x.reshape(-1, x.shape[-1]), x.shape[0]).")
+        raise
 
 
 def _leaf_specs(grads, param_specs) -> list:

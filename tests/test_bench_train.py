@@ -46,16 +46,18 @@ def test_models_have_the_documented_sizes():
 
 def test_ratios_and_reports(tmp_path):
     rows = [dict(model="mlp", mode=mode, seconds=seconds, loss=1.0, parameters=10**7,
-                 wire_bytes=wire, f32_bytes=4 * 10**7, link="1gbit")
+                 wire_bytes=wire, f32_bytes=4 * 10**7, link="1gbit", memory_bytes=3 << 20)
             for mode, seconds, wire in (("floor", 0.2, 0), ("exact", 0.8, 4 * 10**7),
-                                        ("cgx", 0.4, 5 * 10**6))]
+                                        ("cgx", 0.4, 5 * 10**6), ("gspmd fsdp", 1.2, 4 * 10**7),
+                                        ("gspmd fsdp cgx", 0.3, 5 * 10**6))]
     rows = {r["mode"]: r for r in train.add_ratios(rows)}
     assert rows["cgx"]["vs_exact"] == pytest.approx(2.0)
+    assert rows["gspmd fsdp cgx"]["vs_exact"] == pytest.approx(4.0)  # against gspmd fsdp
     assert rows["cgx"]["wire_ratio"] == pytest.approx(8.0)
     assert rows["cgx"]["floor_seconds"] == 0.2 and rows["floor"]["wire_ratio"] is None
     table = train.format_table(list(rows.values()))
     assert "2.00" in table and "8.00" in table
-    assert "| 1gbit | mlp (10.0M) | cgx | 0.400 | 0.200 | 8.00 | 2.00 | 1.0000 |" in (
+    assert "| 1gbit | mlp (10.0M) | cgx | 0.400 | 0.200 | 8.00 | 2.00 | 1.0000 | 3.0 |" in (
         train.format_markdown(list(rows.values()), "title"))
     pytest.importorskip("matplotlib")
     path = tmp_path / "train.png"
@@ -72,7 +74,7 @@ def test_unshaped_run_of_every_mode(tmp_path):
     rows = {r["mode"]: r for r in result["rows"]}
     assert sorted(rows) == sorted(train.MODES)
     assert all(r["seconds"] > 0 and r["steps"] == 3 and r["link"] == "none"
-               for r in rows.values())
+               and r["memory_bytes"] > 0 for r in rows.values())
     # Exact and compressed runs train the same model on the same batches: after 3 Adam
     # steps their losses are close (2 bits, the coarsest, less so); 2 bits moves fewer bytes.
     for mode, bound in (("cgx", 0.15), ("cgx 4b", 0.15), ("adaptive", 0.15), ("cgx 2b", 0.5)):
@@ -89,3 +91,10 @@ def test_unshaped_run_of_every_mode(tmp_path):
         assert rows[mode]["vs_exact"] == pytest.approx(
             rows["fsdp exact"]["seconds"] / rows[mode]["seconds"])
     assert rows["fsdp 4b"]["wire_bytes"] < rows["fsdp cgx"]["wire_bytes"]
+    # GSPMD FSDP trains as exact FSDP (the same sums, XLA's collectives); its one-line cgx
+    # port stays close with fewer bytes, against GSPMD FSDP.
+    assert rows["gspmd fsdp"]["loss"] == pytest.approx(rows["exact"]["loss"], rel=1e-4)
+    assert abs(rows["gspmd fsdp cgx"]["loss"] - rows["exact"]["loss"]) < 0.15
+    assert rows["gspmd fsdp cgx"]["wire_bytes"] < rows["gspmd fsdp"]["wire_bytes"]
+    assert rows["gspmd fsdp cgx"]["vs_exact"] == pytest.approx(
+        rows["gspmd fsdp"]["seconds"] / rows["gspmd fsdp cgx"]["seconds"])

@@ -134,6 +134,22 @@ def test_bad_arguments_name_what_is_wrong(cpu_devices):
             params, x, y, residual=params)
 
 
+def test_a_loss_sized_for_the_global_batch_gets_a_note_that_says_why(cpu_devices):
+    """A loss that reshapes with the global batch size (as under GSPMD) fails on a
+    participant's rows; the error keeps its type and gains a note naming the fix."""
+    mesh = mesh_1d(cpu_devices)
+    params, x, y = regression()
+    rows = x.shape[0]
+
+    def loss(params, x, y):
+        return mse(params, x.reshape(rows, x.shape[-1]), y)
+
+    grad_fn = cgx.value_and_grad(loss, mesh=mesh, axis_name="data", policy=NEAREST8)
+    with pytest.raises(TypeError, match="reshape") as caught:
+        grad_fn(params, x, y)
+    assert "on that participant's rows" in " ".join(getattr(caught.value, "__notes__", []))
+
+
 class ShardedMLP(nnx.Module):
     """The Flax GSPMD guide's DotReluDot shape: weights sharded over 'model'."""
 

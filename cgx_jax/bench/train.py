@@ -24,7 +24,12 @@ reduce-scattered; the few others stay replicated and their gradients go through 
 - ``fsdp exact``: ``lax.all_gather`` per leaf, so ``lax.psum_scatter`` of the gradients;
 - ``fsdp cgx``: ``cgx.compressed_all_gather`` of the sharded leaves, 8-bit weights, 4-bit
   gradients (the library's defaults);
-- ``fsdp 4b``: the same with 4-bit weights.
+- ``fsdp 4b``: the same with 4-bit weights;
+- ``gspmd fsdp``: the same sharding written the GSPMD way (``jax.jit`` of
+  ``jax.value_and_grad`` on the sharded parameters, XLA inserting the gathers and
+  reduce-scatters in f32);
+- ``gspmd fsdp cgx``: that step with ``cgx.value_and_grad`` in place of
+  ``jax.value_and_grad`` (8-bit weights, 4-bit gradients), compared with ``gspmd fsdp``.
 
 Models (gradients shaped as in real training): ``mlp``, an MLP 784-2048-2048-2048-10 (10M
 parameters, the ``--batch`` per process of 28x28 inputs, ten classes); ``vit``, a ViT on
@@ -33,7 +38,8 @@ synthetic: inputs from a fixed seed per process and labels from a fixed random t
 the loss falls and every run sees the same batches.
 
 The report: s/step, the floor, the bytes one participant all-reduces per step against f32,
-the speedup over ``exact``, and the loss after the last step. ``--json``, ``--markdown``,
+the speedup over ``exact``, the loss after the last step, and the step's memory per device
+(the compiled step's arguments and temporaries, ``memory_analysis()``). ``--json``, ``--markdown``,
 ``--plot`` as in the allreduce benchmark.
 """
 
@@ -57,7 +63,7 @@ from cgx_jax.netem import shaped_network
 NS_PREFIX = "cgxtrain"
 PORT = 23476
 MODES = ("floor", "exact", "cgx", "cgx 4b", "cgx 2b", "adaptive", "fsdp exact", "fsdp cgx",
-         "fsdp 4b")
+         "fsdp 4b", "gspmd fsdp", "gspmd fsdp cgx")
 # The weight codec of each compressed FSDP mode (gradients: the library's default, 4 bits).
 FSDP_WEIGHT_BITS = {"fsdp cgx": 8, "fsdp 4b": 4}
 MODELS = ("mlp", "vit")
@@ -240,6 +246,9 @@ def _worker(args) -> None:
             if mode.startswith("fsdp"):
                 runs[mode] = _fsdp_run(mode, mesh, axis, params, loss_fn, optax.adam(lr))
                 continue
+            if mode.startswith("gspmd"):
+                runs[mode] = _gspmd_fsdp_run(mode, mesh, axis, params, loss_fn, optax.adam(lr))
+                continue
             policy = None if mode in ("floor", "exact") else policy_for(mode)
             tx = optax.adam(lr) if mode == "floor" else optax.chain(
                 exact_pmean() if mode == "exact" else
@@ -276,6 +285,11 @@ def _worker(args) -> None:
             runs[mode] = dict(step=train_step, params=run_params, state=state,
                               wire_bytes=wire, f32_bytes=f32_bytes)
 
+        for run in runs.values():  # per device: the compiled step's arguments + temporaries
+            memory = run["step"].lower(run["params"], run["state"], batches[0],
+                                       jax.random.key(0)).compile().memory_analysis()
+            run["memory_bytes"] = None if memory is None else (
+                memory.argument_size_in_bytes + memory.temp_size_in_bytes)
         # The modes take turns, one step each, so a slow spell of the shared machine falls
         # on all of them alike instead of on whichever mode was running then.
         times = {mode: [] for mode in runs}
@@ -291,9 +305,10 @@ def _worker(args) -> None:
             loss = float(run["loss"])
             rows.append(dict(model=model, mode=mode, seconds=statistics.median(timed),
                              times=timed, loss=loss, steps=steps, parameters=f32_bytes // 4,
-                             wire_bytes=run["wire_bytes"], f32_bytes=run["f32_bytes"]))
+                             wire_bytes=run["wire_bytes"], f32_bytes=run["f32_bytes"],
+                             memory_bytes=run["memory_bytes"]))
             if rank == 0:
-                print(f"  {model:<4} {mode:<9} {statistics.median(timed) * 1e3:9.1f} ms/step  "
+                print(f"  {model:<4} {mode:<14} {statistics.median(timed) * 1e3:9.1f} ms/step  "
                       f"loss {loss:.4f} after {steps} steps", flush=True)
         del runs
     if rank == 0:
@@ -318,8 +333,8 @@ def _fsdp_run(mode, mesh, axis, params, loss_fn, tx) -> dict:
     from cgx_jax.vma import to_local
 
     n = mesh.size
-    sharded = jax.tree.map(lambda p: p.ndim > 0 and p.shape[0] % n == 0, params)
-    specs = jax.tree.map(lambda s: P(axis) if s else P(), sharded)
+    specs = _fsdp_specs(params, n, axis)
+    sharded = jax.tree.map(lambda s: s != P(), specs, is_leaf=lambda x: isinstance(x, P))
     place = lambda tree, specs: jax.tree.map(  # noqa: E731
         lambda v, s: jax.device_put(v, NamedSharding(mesh, s)), tree, specs)
     state = tx.init(params)
@@ -360,6 +375,56 @@ def _fsdp_run(mode, mesh, axis, params, loss_fn, tx) -> dict:
                 wire_bytes=wire, f32_bytes=f32_bytes)
 
 
+def _fsdp_specs(params, n: int, axis):
+    """FSDP's layout of ``params``: leaves whose first dimension divides by ``n`` sharded by
+    rows over ``axis``, the rest replicated."""
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    return jax.tree.map(lambda p: P(axis) if p.ndim > 0 and p.shape[0] % n == 0 else P(),
+                        params)
+
+
+def _gspmd_fsdp_run(mode, mesh, axis, params, loss_fn, tx) -> dict:
+    """The ``gspmd fsdp`` step (``jax.jit`` of ``jax.value_and_grad`` on parameters and Adam
+    state sharded as ``_fsdp_specs``, XLA inserting the collectives) or, for ``gspmd fsdp
+    cgx``, the same step with ``cgx.value_and_grad``; the ``wire_bytes`` of ``_fsdp_run``."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    import cgx_jax as cgx
+
+    specs = _fsdp_specs(params, mesh.size, axis)
+    state = tx.init(params)
+    state_specs = optax.tree_map_params(tx, lambda _, s: s, state, specs,
+                                        transform_non_params=lambda _: P())
+    shardings = [jax.tree.map(lambda s: NamedSharding(mesh, s), t,
+                              is_leaf=lambda x: isinstance(x, P)) for t in (specs, state_specs)]
+    use_cgx = mode == "gspmd fsdp cgx"
+    grad_fn = (cgx.value_and_grad(loss_fn, mesh=mesh, axis_name=axis, param_specs=specs)
+               if use_cgx else jax.value_and_grad(loss_fn))
+
+    @functools.partial(jax.jit, out_shardings=(*shardings, None))
+    def step(params, state, batch, key):
+        if use_cgx:  # an integer that changes every step, for the rounding noise
+            loss, grads = grad_fn(params, batch, step=jax.random.bits(key, dtype=jnp.uint32))
+        else:
+            loss, grads = grad_fn(params, batch)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, loss
+
+    f32_bytes = 2 * sum(4 * leaf.size for leaf in jax.tree.leaves(params))
+    weights = cgx.LayerPolicy(default=cgx.Codec(bits=8, rounding="nearest"))
+    wire = (cgx.tree_wire_bytes(weights, params) + cgx.tree_wire_bytes(cgx.LayerPolicy(), params)
+            if use_cgx else f32_bytes)
+    return dict(step=step, params=jax.device_put(params, shardings[0]),
+                state=jax.device_put(state, shardings[1]), wire_bytes=wire, f32_bytes=f32_bytes)
+
+
 # --------------------------------------------------------------------------- report
 
 def add_ratios(rows: list[dict]) -> list[dict]:
@@ -367,7 +432,8 @@ def add_ratios(rows: list[dict]) -> list[dict]:
     for r in rows:
         same = [o for o in rows if o["model"] == r["model"] and o.get("link") == r.get("link")]
         base = {o["mode"]: o["seconds"] for o in same}
-        exact = "fsdp exact" if r["mode"].startswith("fsdp") else "exact"  # its own baseline
+        exact = ("fsdp exact" if r["mode"].startswith("fsdp") else  # each its own baseline
+                 "gspmd fsdp" if r["mode"].startswith("gspmd") else "exact")
         r["floor_seconds"] = base.get("floor")
         r["vs_exact"] = base[exact] / r["seconds"] if exact in base else None
         r["wire_ratio"] = r["f32_bytes"] / r["wire_bytes"] if r["wire_bytes"] else None
@@ -379,26 +445,31 @@ def _fmt(value, spec):
 
 
 def format_table(rows: list[dict]) -> str:
-    header = (f"{'link':<7} {'model':<5} {'params':>7} {'mode':<9} {'s/step':>8} "
-              f"{'floor':>7} {'f32/wire':>9} {'x exact':>8} {'loss':>8}")
+    header = (f"{'link':<7} {'model':<5} {'params':>7} {'mode':<14} {'s/step':>8} "
+              f"{'floor':>7} {'f32/wire':>9} {'x exact':>8} {'loss':>8} {'MiB/dev':>8}")
     lines = [header, "-" * len(header)]
     for r in rows:
         lines.append(
             f"{r.get('link', ''):<7} {r['model']:<5} {r['parameters'] / 1e6:>6.1f}M "
-            f"{r['mode']:<9} {r['seconds']:>8.3f} {_fmt(r['floor_seconds'], '7.3f'):>7} "
+            f"{r['mode']:<14} {r['seconds']:>8.3f} {_fmt(r['floor_seconds'], '7.3f'):>7} "
             f"{_fmt(r['wire_ratio'], '8.2f'):>9} {_fmt(r['vs_exact'], '7.2f'):>8} "
-            f"{r['loss']:>8.4f}")
+            f"{r['loss']:>8.4f} {_fmt(_mib(r), '8.1f'):>8}")
     return "\n".join(lines)
+
+
+def _mib(row):
+    """The step's memory per device in MiB (arguments and temporaries), or None."""
+    return None if row.get("memory_bytes") is None else row["memory_bytes"] / 2**20
 
 
 def format_markdown(rows: list[dict], title: str) -> str:
     lines = [title, "", "| link | model | mode | s/step | floor | f32/wire bytes | x exact | "
-             "loss |", "|:---|:---|:---|---:|---:|---:|---:|---:|"]
+             "loss | MiB/device |", "|:---|:---|:---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r.get('link', '')} | {r['model']} ({r['parameters'] / 1e6:.1f}M) "
                      f"| {r['mode']} | {r['seconds']:.3f} | {_fmt(r['floor_seconds'], '.3f')} "
                      f"| {_fmt(r['wire_ratio'], '.2f')} | {_fmt(r['vs_exact'], '.2f')} "
-                     f"| {r['loss']:.4f} |")
+                     f"| {r['loss']:.4f} | {_fmt(_mib(r), '.1f')} |")
     return "\n".join(lines) + "\n"
 
 
