@@ -19,6 +19,7 @@ from collections.abc import Hashable
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from cgx_jax import fusion
 from cgx_jax.axes import axis_size, axis_tuple
@@ -116,7 +117,7 @@ class _GatherSettings:
 def compressed_all_gather(x, axis_name, *, axis: int = 0, tiled: bool = False,
                           codec: Codec | None = None, policy: LayerPolicy | None = None,
                           key=None, grad_codec: Codec | None = GRADIENT_CODEC,
-                          backend: str = "ffi"):
+                          backend: str = "ffi", specs=None):
     """``lax.all_gather`` whose floating leaves travel quantized: the same shapes and dtypes.
 
     Each participant encodes its own shard once, the packets are gathered, and every
@@ -132,6 +133,12 @@ def compressed_all_gather(x, axis_name, *, axis: int = 0, tiled: bool = False,
     (typed as ``lax.all_gather``) or ``jax.pmap``. In a multi-process run the processes must
     agree on what travels (``ProcessesDisagreeError`` otherwise, before any byte moves).
 
+    ``specs``: the ``PartitionSpec``s the tree was split by (a tree prefix of ``x``: the
+    ``shard_map``'s ``in_specs`` for it, or ``nnx.get_partition_spec(state)``). Each leaf
+    whose spec shards a dimension over ``axis_name`` is gathered along it, tiled; the others
+    are returned as they are, so a whole model state can be passed (not with ``axis`` or
+    ``tiled``).
+
     Example:
         >>> import jax, jax.numpy as jnp, cgx_jax as cgx
         >>> w = jnp.linspace(-1, 1, 128 * 256).reshape(1, 128, 256)  # one shard per device
@@ -143,18 +150,57 @@ def compressed_all_gather(x, axis_name, *, axis: int = 0, tiled: bool = False,
     call = _open(x, axis_name, key, backend)
     if grad_codec is not None:
         check_codec(grad_codec, "grad_codec")
-    axes = [_check_axis(leaf, axis, 0 if tiled else 1, "axis", path)
-            for leaf, path in zip(call.leaves, call.paths)]
-    gathered = [_gathered_shape(leaf.shape, a, tiled, call.num)
+    if specs is None:
+        axes = [_check_axis(leaf, axis, 0 if tiled else 1, "axis", path)
+                for leaf, path in zip(call.leaves, call.paths)]
+    elif axis != 0 or tiled:
+        raise ValueError("pass specs= or axis=/tiled=, not both: with specs= each leaf is "
+                         "gathered tiled along the dimension its spec shards over "
+                         f"{axis_name!r}")
+    else:
+        axes, tiled = _sharded_dims(specs, x, call, axis_name), True
+    chosen = [i for i, a in enumerate(axes) if a is not None]
+    gathered = [leaf.shape if a is None else _gathered_shape(leaf.shape, a, tiled, call.num)
                 for leaf, a in zip(call.leaves, axes)]
     codecs = choose_codecs(call.leaves, call.treedef, codec=codec, policy=policy,
                            default=LayerPolicy(default=WEIGHT_CODEC), shapes=gathered)
+    out = list(call.leaves)  # the leaves specs= leaves alone
     # Leaves gathered exactly get lax.all_gather's gradient, the exact reduce-scatter.
-    out = gather_leaves(call.leaves, codecs, axis_name, axes=axes, tiled=tiled, key=key,
-                        grad_codecs=[None if c is None else grad_codec for c in codecs],
-                        backend=backend,
-                        paths=call.paths)
+    for i, value in zip(chosen, gather_leaves(
+            [call.leaves[i] for i in chosen], [codecs[i] for i in chosen], axis_name,
+            axes=[axes[i] for i in chosen], tiled=tiled, key=key,
+            grad_codecs=[None if codecs[i] is None else grad_codec for i in chosen],
+            backend=backend, paths=[call.paths[i] for i in chosen])):
+        out[i] = value
     return jax.tree_util.tree_unflatten(call.treedef, out)
+
+
+def _sharded_dims(specs, x, call: _Call, axis_name) -> list:
+    """Per leaf of ``x``, the dimension its spec (``specs``, a tree prefix of ``x``) shards
+    over ``axis_name``, or None."""
+    def is_spec(s):
+        return isinstance(s, P)
+
+    try:
+        full = jax.tree.map(lambda s, sub: jax.tree.map(lambda _: s, sub), specs, x,
+                            is_leaf=is_spec)
+    except (ValueError, TypeError) as error:
+        raise ValueError(f"specs must be a tree prefix of x with PartitionSpec leaves: "
+                         f"{error}") from None
+    dims = []
+    for spec, leaf, path in zip(jax.tree.leaves(full, is_leaf=is_spec), call.leaves,
+                                call.paths):
+        if not is_spec(spec):
+            raise ValueError(f"specs for {_leaf_name(path)} must be a PartitionSpec, got "
+                             f"{spec!r}")
+        entries = [entry if isinstance(entry, tuple) else (entry,) for entry in spec]
+        named = [d for d, names in enumerate(entries) if axis_name in names]
+        if named and (len(entries) > leaf.ndim or len(entries[named[0]]) > 1):
+            raise ValueError(f"specs for {_leaf_name(path)} of shape {tuple(leaf.shape)} is "
+                             f"{spec}: its dimension sharded over {axis_name!r} must be one "
+                             f"of the leaf's, sharded over that axis alone")
+        dims.append(named[0] if named else None)
+    return dims
 
 
 def gather_leaves(leaves, codecs, axis_name, *, axes, tiled: bool, key, grad_codecs,

@@ -247,3 +247,37 @@ def test_the_step_keeps_fsdp_memory():
     assert abs(cgx_fsdp[1] - fsdp[1]) < 1e-3 and cgx_fsdp[1] < 0.25 * cgx_dp[1]
     assert sum(cgx_fsdp) < 1.5 * sum(fsdp) and sum(cgx_fsdp) < 0.6 * sum(cgx_dp), (
         fsdp, cgx_fsdp, cgx_dp)
+
+
+def test_the_shard_map_route_gathers_only_the_leaves_its_specs_shard():
+    """compressed_all_gather(state, specs=nnx.get_partition_spec(state)) inside the
+    shard_map that split the state: the kernels gathered whole, each shard as the numpy model
+    decodes it at the default 8 bits; the replicated biases (and nothing else) as they were.
+    axis=/tiled= beside specs=, or a spec that is not a PartitionSpec, are refused."""
+    mesh = fsdp_mesh()
+    model, _ = fs.make_model(mesh)
+    state = nnx.state(model, nnx.Param)
+    specs = nnx.get_partition_spec(state)
+
+    def gather(**options):
+        def body(state):
+            full = cgx.compressed_all_gather(state, "fsdp", specs=specs, **options)
+            return jax.tree.map(lambda v: v[None], full)
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(specs,),
+                                     out_specs=P("fsdp")))(state)
+
+    full = gather()
+    weights = cgx.Codec(bits=8, rounding="nearest")
+    for layer in ("linear1", "linear2"):
+        kernel = np.asarray(state[layer]["kernel"][...])
+        want = np.concatenate([roundtrip(s, weights) for s in np.split(kernel, 8)])
+        got = np.asarray(full[layer]["kernel"][...])
+        assert got.shape == (8,) + kernel.shape
+        np.testing.assert_array_equal(got[3], want)
+        np.testing.assert_array_equal(np.asarray(full[layer]["bias"][...])[5],
+                                      np.asarray(state[layer]["bias"][...]))
+    with pytest.raises(ValueError, match="pass specs= or axis=/tiled=, not both"):
+        gather(tiled=True)
+    with pytest.raises(ValueError, match="specs must be a tree prefix of x"):
+        jax.jit(jax.shard_map(lambda st: cgx.compressed_all_gather(st, "fsdp", specs=[P()]),
+                              mesh=mesh, in_specs=(specs,), out_specs=P()))(state)
