@@ -466,64 +466,44 @@ def _gathering_loss(call: _Call):
 
 def _gather_fsdp_leaves(call: _Call, i: int, tree):
     """``tree`` (argument ``i`` as it travelled) with its FSDP shards gathered whole over the
-    data axis (``weight_codecs``; their gradients reduce-scattered with ``codecs``)."""
+    data axis (``weight_codecs``; their gradients reduce-scattered with ``codecs``), one
+    gather each, so that the backward pass reduce-scatters each gradient as soon as it has
+    it: one custom VJP for all would hold every full gradient until the last
+    (docs/performance.md measures both)."""
     by_path = call.fsdp_paths[i]
     flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
     leaves = [leaf for _, leaf in flat]
-    at = [n for n, (path, _) in enumerate(flat) if jax.tree_util.keystr(path) in by_path]
-    members = [by_path[jax.tree_util.keystr(flat[n][0])] for n in at]
     key = None if call.key is None else jax.random.fold_in(call.key, _GATHER_STREAM)
-
-    def gather(shards, members, key):
-        return gather_leaves(
-            shards, [call.weight_codecs[j] for j in members], call.axis_name,
-            axes=[call.fsdp[j] for j in members], tiled=True, key=key,
-            grad_codecs=[call.codecs[j] for j in members], backend=call.backend,
-            paths=[call.paths[j] for j in members])
-
-    # One gather each, so that the backward pass reduce-scatters each gradient as soon as it
-    # has it: one custom VJP for all would hold every full gradient until the last
-    # (docs/performance.md measures both).
-    for n, j in zip(at, members):
-        leaves[n] = _per_block(call, gather, [leaves[n]], [j], jax.random.fold_in(key, j)
-                               if key is not None else None)[0]
+    for n, (path, shard) in enumerate(flat):
+        j = by_path.get(jax.tree_util.keystr(path))
+        if j is not None:
+            leaves[n] = _gather_fsdp_leaf(call, j, shard,
+                                          None if key is None else jax.random.fold_in(key, j))
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
-def _other_spec(call: _Call, j: int):
-    """Leaf ``j``'s spec without the data axis: how it is sharded over the other axes."""
-    return P(*(None if d == call.fsdp[j] else entry for d, entry in enumerate(call.specs[j])))
+def _gather_fsdp_leaf(call: _Call, j: int, shard, key):
+    """FSDP leaf ``j`` gathered whole over the data axis by ``sharded.gather_leaves``. A leaf
+    also sharded over other mesh axes is gathered block by block, in a ``shard_map`` manual
+    over those axes (else XLA would gather each block whole, in f32, to feed the kernels),
+    each block drawing its own noise."""
+    def gather(block, key):
+        return gather_leaves([block], [call.weight_codecs[j]], call.axis_name,
+                             axes=[call.fsdp[j]], tiled=True, key=key,
+                             grad_codecs=[call.codecs[j]], backend=call.backend,
+                             paths=[call.paths[j]])[0]
 
+    other = P(*(None if d == call.fsdp[j] else entry for d, entry in enumerate(call.specs[j])))
+    axes = tuple(a for a in call.mesh.axis_names if a in _axis_names(other))
+    if not axes:
+        return gather(shard, key)
 
-def _per_block(call: _Call, collective, leaves, members, key) -> list:
-    """``collective(leaves, members, key)`` (a sharded op over the data axis) run on what each
-    device holds: leaves also sharded over other mesh axes go through a ``shard_map`` manual
-    over those axes (else XLA would gather them whole, in f32, to feed the kernels), each
-    block drawing its own noise; the others as they are. Returns the results in order."""
-    out = [None] * len(leaves)
-    blocked = [m for m, j in enumerate(members) if _axis_names(_other_spec(call, j))]
-    plain = [m for m in range(len(leaves)) if m not in blocked]
-    if plain:
-        for m, value in zip(plain, collective([leaves[m] for m in plain],
-                                              [members[m] for m in plain], key)):
-            out[m] = value
-    if blocked:
-        specs = tuple(_other_spec(call, members[m]) for m in blocked)
-        axes = tuple(a for a in call.mesh.axis_names
-                     if any(a in _axis_names(spec) for spec in specs))
+    def on_block(block):
+        block_key = None if key is None else jax.random.fold_in(key, lax.axis_index(axes))
+        return to_local(gather(block, block_key), axes)
 
-        def on_blocks(*blocks):
-            block_key = None if key is None else jax.random.fold_in(key, lax.axis_index(axes))
-            values = collective(list(blocks), [members[m] for m in blocked], block_key)
-            return tuple(to_local(values, axes))
-
-        values = jax.shard_map(on_blocks, in_specs=specs, out_specs=specs,
-                               axis_names=set(axes))(*(
-                                   _lay_out(leaves[m], spec, call.mesh)
-                                   for m, spec in zip(blocked, specs)))
-        for m, value in zip(blocked, values):
-            out[m] = value
-    return out
+    return jax.shard_map(on_block, in_specs=other, out_specs=other, axis_names=set(axes))(
+        _lay_out(shard, other, call.mesh))
 
 
 def _need_step(codecs, key) -> None:

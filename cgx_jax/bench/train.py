@@ -320,9 +320,8 @@ def _worker(args) -> None:
 
 def _fsdp_run(mode, mesh, axis, params, loss_fn, tx) -> dict:
     """The compiled FSDP step of ``mode`` and its placed parameters and Adam state: leaves
-    whose first dimension divides by the participants sharded by rows, the rest replicated.
-    ``wire_bytes``: what one participant's gathers and reduce-scatters carry per step;
-    ``f32_bytes``: the same in f32 (gather and reduce-scatter of every leaf)."""
+    whose first dimension divides by the participants sharded by rows, the rest replicated;
+    its bytes as ``_fsdp_bytes`` counts."""
     import functools
 
     import jax
@@ -365,14 +364,22 @@ def _fsdp_run(mode, mesh, axis, params, loss_fn, tx) -> dict:
         updates, state = tx.update(grads, state, shards)
         return optax.apply_updates(shards, updates), state, jax.lax.pmean(loss, axis)
 
-    f32_bytes = 2 * sum(4 * leaf.size for leaf in jax.tree.leaves(params))
-    if weight_bits is None:
-        wire = f32_bytes
-    else:
-        wire = (cgx.tree_wire_bytes(weights, params)
-                + cgx.tree_wire_bytes(cgx.LayerPolicy(), params))
     return dict(step=step, params=place(params, specs), state=place(state, state_specs),
-                wire_bytes=wire, f32_bytes=f32_bytes)
+                **_fsdp_bytes(params, weights if weight_bits else None))
+
+
+def _fsdp_bytes(params, weights) -> dict:
+    """``wire_bytes``: what one participant's gathers and reduce-scatters carry per step
+    (weights at ``weights``, gradients at the default ``LayerPolicy()``; f32 for None);
+    ``f32_bytes``: the same in f32 (gather and reduce-scatter of every leaf)."""
+    import jax
+
+    import cgx_jax as cgx
+
+    f32_bytes = 2 * sum(4 * leaf.size for leaf in jax.tree.leaves(params))
+    wire = f32_bytes if weights is None else (cgx.tree_wire_bytes(weights, params)
+                                              + cgx.tree_wire_bytes(cgx.LayerPolicy(), params))
+    return dict(wire_bytes=wire, f32_bytes=f32_bytes)
 
 
 def _fsdp_specs(params, n: int, axis):
@@ -388,7 +395,7 @@ def _fsdp_specs(params, n: int, axis):
 def _gspmd_fsdp_run(mode, mesh, axis, params, loss_fn, tx) -> dict:
     """The ``gspmd fsdp`` step (``jax.jit`` of ``jax.value_and_grad`` on parameters and Adam
     state sharded as ``_fsdp_specs``, XLA inserting the collectives) or, for ``gspmd fsdp
-    cgx``, the same step with ``cgx.value_and_grad``; the ``wire_bytes`` of ``_fsdp_run``."""
+    cgx``, the same step with ``cgx.value_and_grad``; its bytes as ``_fsdp_bytes`` counts."""
     import functools
 
     import jax
@@ -417,12 +424,9 @@ def _gspmd_fsdp_run(mode, mesh, axis, params, loss_fn, tx) -> dict:
         updates, state = tx.update(grads, state, params)
         return optax.apply_updates(params, updates), state, loss
 
-    f32_bytes = 2 * sum(4 * leaf.size for leaf in jax.tree.leaves(params))
-    weights = cgx.LayerPolicy(default=cgx.Codec(bits=8, rounding="nearest"))
-    wire = (cgx.tree_wire_bytes(weights, params) + cgx.tree_wire_bytes(cgx.LayerPolicy(), params)
-            if use_cgx else f32_bytes)
+    weights = cgx.LayerPolicy(default=cgx.sharded.WEIGHT_CODEC) if use_cgx else None
     return dict(step=step, params=jax.device_put(params, shardings[0]),
-                state=jax.device_put(state, shardings[1]), wire_bytes=wire, f32_bytes=f32_bytes)
+                state=jax.device_put(state, shardings[1]), **_fsdp_bytes(params, weights))
 
 
 # --------------------------------------------------------------------------- report
