@@ -140,7 +140,7 @@ def value_and_grad(fun: Callable, *, mesh: Mesh, axis_name: str, argnums=0,
     ``nnx.Optimizer``/Optax update shards. Its other dimensions may be sharded over other
     mesh axes (each device then gathers and reduce-scatters only its block).
 
-    ``step``: an integer array that differs every step (``optimizer.step.value`` of an
+    ``step``: an integer array that differs every step (``optimizer.step[...]`` of an
     ``nnx.Optimizer``, or a counter in the train state); the stochastic rounding noise is
     folded from it. A Python int is refused: inside ``jax.jit`` it would be a constant and
     the noise would repeat every call. Only a policy that rounds nothing stochastically runs
@@ -370,7 +370,7 @@ def _step_key(step, seed: int):
     if isinstance(step, (int, np.integer)) and not isinstance(step, bool):
         raise TypeError(
             f"cgx.value_and_grad: step must be an integer array (jnp.asarray(step), or "
-            f"optimizer.step.value), got the Python int {step}: inside jax.jit it would be "
+            f"optimizer.step[...]), got the Python int {step}: inside jax.jit it would be "
             f"compiled in as a constant and the rounding noise would repeat every call")
     step = jnp.asarray(step)
     if step.shape != () or not jnp.issubdtype(step.dtype, jnp.integer):
@@ -390,14 +390,17 @@ def _local_gradients(call: _Call, flat_args):
     in_specs = tuple(_input_specs(call, i, arg) if i in positions else P(axis_name)
                      for i, arg in enumerate(flat_args))
 
-    def local(*local_args):
+    def local(key, *local_args):
+        # The key travels as an argument: closed over, a key typed over explicit mesh axes
+        # (an NNX optimizer's step under jax.make_mesh's default axes) is refused.
+        call_here = dataclasses.replace(call, key=key)
         local_args = list(local_args)
         modules = {}
         for i, graph in call.graphs.items():
             local_args[i] = modules[i] = flax_compat.nnx().merge(graph, local_args[i])
-        _need_step([call.codecs[j] for j in call.fsdp], call.key)
+        _need_step([call.codecs[j] for j in call.fsdp], key)
         out, grads = _with_clear_constraint_errors(
-            lambda: local_value_and_grad(_gathering_loss(call), axis_name, argnums=positions,
+            lambda: local_value_and_grad(_gathering_loss(call_here), axis_name, argnums=positions,
                                          has_aux=call.has_aux)(*local_args), axis_name)
         out = jax.tree.map(lambda v: lax.pmean(v, axis_name), out)
         leaves, treedef = jax.tree_util.tree_flatten(grads)
@@ -420,8 +423,8 @@ def _local_gradients(call: _Call, flat_args):
     if _axis_type(mesh, axis_name) == AxisType.Explicit:  # shard_map wants them split
         flat_args = [arg if i in positions else jax.tree.map(
             lambda x: _split_rows(x, mesh, axis_name), arg) for i, arg in enumerate(flat_args)]
-    return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                         axis_names={axis_name})(*flat_args)
+    return jax.shard_map(local, mesh=mesh, in_specs=(None if call.key is None else P(), *in_specs),
+                         out_specs=out_specs, axis_names={axis_name})(call.key, *flat_args)
 
 
 def _input_specs(call: _Call, i: int, arg):
@@ -510,7 +513,7 @@ def _need_step(codecs, key) -> None:
     if key is None and any(c is not None and c.stochastic for c in codecs):
         raise ValueError(
             "cgx.value_and_grad: pass step= (an integer array that changes every step, "
-            "e.g. optimizer.step.value of an nnx.Optimizer, or a counter in your train "
+            "e.g. optimizer.step[...] of an nnx.Optimizer, or a counter in your train "
             "state): the policy rounds stochastically and its noise is folded from the "
             "step, so it must not repeat")
 

@@ -281,3 +281,40 @@ def test_the_shard_map_route_gathers_only_the_leaves_its_specs_shard():
     with pytest.raises(ValueError, match="specs must be a tree prefix of x"):
         jax.jit(jax.shard_map(lambda st: cgx.compressed_all_gather(st, "fsdp", specs=[P()]),
                               mesh=mesh, in_specs=(specs,), out_specs=P()))(state)
+
+
+def test_the_readme_nnx_step_runs_and_matches_nnx_on_explicit_axes():
+    """The README's NNX FSDP step, run as written (jax.make_mesh's default Explicit axes, an
+    nnx.Optimizer whose step seeds the noise), against the same script with
+    nnx.value_and_grad: the loss and the parameters' updates after 3 Adam steps close to it
+    but not equal (compressed), kernels and their Adam moments still sharded by rows."""
+    import os
+
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
+    section = readme.split("**GSPMD FSDP in one line.**", 1)[1].split("**In `shard_map`.**")[0]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    swapped = ("cgx.value_and_grad(loss_fn, mesh=mesh, axis_name=\"fsdp\")(\n"
+               "        model, x, y, step=optimizer.step[...])")
+    assert swapped in code
+    runs = {}
+    for name, source in (("cgx", code), ("nnx", code.replace(
+            swapped, "nnx.value_and_grad(loss_fn)(model, x, y)"))):
+        runs[name] = {}
+        exec(source, runs[name])  # noqa: S102
+    cgx_run, nnx_run = runs["cgx"], runs["nnx"]
+    assert cgx_run["mesh"].axis_types == (AxisType.Explicit,)
+    assert abs(float(cgx_run["loss"]) - float(nnx_run["loss"])) < 0.01 * float(nnx_run["loss"])
+    got, want = (nnx.state(r["model"], nnx.Param) for r in (cgx_run, nnx_run))
+    with jax.set_mesh(cgx_run["mesh"]):
+        start = nnx.state(cgx_run["MLP"](nnx.Rngs(0)), nnx.Param)
+    for g, w, s in zip(*(jax.tree.leaves(t) for t in (got, want, start))):
+        moved, moved_want = np.asarray(g) - np.asarray(s), np.asarray(w) - np.asarray(s)
+        # Adam's first steps are near lr * sign(g): 4-bit noise flips the signs of small
+        # gradients (measured: 0.07-0.10 for the exact biases, 0.29-0.31 for the kernels).
+        assert np.linalg.norm(moved - moved_want) < 0.5 * np.linalg.norm(moved_want)
+        assert g.sharding.spec == w.sharding.spec
+    assert not np.array_equal(got["up"]["kernel"][...], want["up"]["kernel"][...])
+    assert got["up"]["kernel"][...].sharding.spec == P("fsdp", None)
+    moments = nnx.state(cgx_run["optimizer"], nnx.OptState)["opt_state"][0]
+    assert moments["mu"]["down"]["kernel"][...].sharding.spec == P("fsdp", None)
+    assert int(cgx_run["optimizer"].step[...]) == 3
