@@ -9,11 +9,13 @@ import math
 import os
 import pickle
 import re
+import shutil
 import signal
 import subprocess
 import sys
 import time
 
+import jax
 import numpy as np
 import pytest
 
@@ -128,13 +130,29 @@ def _rank_pid(marker: str, rank: int) -> int | None:
     return None
 
 
-def _final_checkpoint(checkpoints):
-    folder = checkpoints / f"step_{RESTART_STEPS:08d}"
-    files = {}
-    for process in (0, 1):
-        with np.load(folder / f"process{process}.npz") as saved:
-            files[process] = {key: saved[key] for key in saved.files}
-    return files
+def read_checkpoint(folder):
+    """An Orbax checkpoint folder of the example as numpy: {leaf path: array} of its state
+    (every array whole, whatever devices wrote it) and its host state."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    checkpointer = ocp.PyTreeCheckpointer()
+    tree = checkpointer.metadata(folder / "state").item_metadata.tree
+    one_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    state = checkpointer.restore(folder / "state", args=ocp.args.PyTreeRestore(
+        restore_args=jax.tree.map(lambda _: ocp.ArrayRestoreArgs(sharding=one_device), tree)))
+    with open(folder / "host" / "metadata") as f:
+        host = json.load(f)
+    return {jax.tree_util.keystr(path): np.asarray(v)
+            for path, v in jax.tree_util.tree_leaves_with_path(state)}, host
+
+
+def assert_bitwise_equal(got, expected):
+    assert set(got) == set(expected)
+    for key, value in expected.items():
+        assert value.dtype == got[key].dtype, key
+        assert value.shape == got[key].shape, key
+        assert value.tobytes() == got[key].tobytes(), key
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
@@ -168,13 +186,15 @@ def test_a_killed_rank_restarts_and_resumes_bit_for_bit(tmp_path):
     assert len(resumed) == 1 and min(resumed) < RESTART_STEPS, out[-3000:]
     assert out.count("(restart 1)") == 2  # both ranks resumed
 
-    expected, got = _final_checkpoint(tmp_path / "whole"), _final_checkpoint(interrupted)
-    for process in (0, 1):
-        assert set(got[process]) == set(expected[process])
-        assert any(key.startswith("leaf") for key in got[process])
-        for key, value in expected[process].items():
-            assert value.dtype == got[process][key].dtype, key
-            assert value.tobytes() == got[process][key].tobytes(), (process, key)
+    final = f"step_{RESTART_STEPS:08d}"
+    (expected, expected_host), (got, got_host) = (read_checkpoint(tmp_path / "whole" / final),
+                                                  read_checkpoint(interrupted / final))
+    residuals = [k for k in expected if "['residual']" in k]
+    assert residuals and all(expected[k].shape[0] == 4 for k in residuals)  # one per device
+    assert any(not np.array_equal(expected[k][0], expected[k][3]) for k in residuals)
+    assert "[1][0]['key']" in expected  # the noise key
+    assert_bitwise_equal(got, expected)
+    assert got_host == expected_host and len(got_host["losses"]) == RESTART_STEPS
 
 
 def test_fsdp_modes_train_like_the_data_parallel_baseline():
@@ -192,3 +212,34 @@ def test_fsdp_modes_train_like_the_data_parallel_baseline():
                                runs["baseline"]["loss_history"], rtol=0.05)
     assert runs["fsdp-exact"]["bytes_per_step"] == 2 * runs["baseline"]["bytes_per_step"]
     assert runs["fsdp"]["bytes_per_step"] < runs["fsdp-exact"]["bytes_per_step"] / 2
+
+
+def test_an_fsdp_run_resumes_from_its_orbax_checkpoint_bit_for_bit(tmp_path, capsys):
+    """--mode fsdp (cgx.value_and_grad on row-sharded parameters) checkpointing every 3
+    steps: a run that finds only the checkpoint of step 3 resumes from it and ends bitwise
+    where the whole run ended: parameters, Adam state and losses. Its checkpoint holds the
+    split leaves and their Adam state sharded by rows over the devices, the others
+    replicated."""
+    import orbax.checkpoint as ocp
+
+    train = load_example("train")
+    argv = ["--tiny", "--steps", "6", "--mode", "fsdp", "--quiet", "--checkpoint-every", "3",
+            "--checkpoint-dir"]
+    train.main(argv + [str(tmp_path / "whole")])
+    shutil.copytree(tmp_path / "whole" / "step_00000003", tmp_path / "resumed" / "step_00000003")
+    train.main(argv + [str(tmp_path / "resumed")])
+    assert "resumed from the checkpoint of step 3" in capsys.readouterr().out
+
+    final = "step_00000006"
+    (expected, expected_host), (got, got_host) = (read_checkpoint(tmp_path / "whole" / final),
+                                                  read_checkpoint(tmp_path / "resumed" / final))
+    assert_bitwise_equal(got, expected)
+    assert got_host == expected_host and len(got_host["losses"]) == 6
+
+    tree = ocp.PyTreeCheckpointer().metadata(tmp_path / "resumed" / final / "state")
+    specs = {jax.tree_util.keystr(path): tuple(leaf.sharding.partition_spec)
+             for path, leaf in jax.tree_util.tree_leaves_with_path(tree.item_metadata.tree)}
+    fc1 = "['blocks']['0']['mlp']['fc1']['kernel']['value']"
+    assert specs["[0]" + fc1] == ("batch",)  # 32 rows over 8 devices
+    assert specs["[1][1][0]['mu']" + fc1] == specs["[1][1][0]['nu']" + fc1] == ("batch",)
+    assert specs["[0]['head']['fc2']['bias']['value']"] == ()  # 10 values: replicated

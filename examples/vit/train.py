@@ -12,14 +12,16 @@ all-reduced per step.
     python examples/vit/train.py --dataset cifar10 --data-dir ~/data/cifar-10-batches-py
 
 Sharded (FSDP) training, with the parameters and the optimizer state split by rows over the
-devices: ``fsdp-exact`` gathers each weight with ``lax.all_gather`` (its gradient is
-reduce-scattered by ``lax.psum_scatter``), ``fsdp`` with ``cgx.compressed_all_gather``
-(8-bit weights; gradients reduce-scattered at ``--bits``):
+devices, written the GSPMD way (``jax.jit`` of the loss on the global batch): ``fsdp-exact``
+takes ``jax.value_and_grad`` (XLA gathers each weight and reduce-scatters its gradient in
+f32), ``fsdp`` swaps in ``cgx.value_and_grad`` (8-bit weights; gradients reduce-scattered at
+``--bits``):
 
     python examples/vit/train.py --mode baseline fsdp-exact fsdp --seeds 0 1 2
 
-Across processes, with checkpoints every 50 steps and up to 3 restarts after a crash (each
-restart resumes from the newest checkpoint, bit for bit the run it continues):
+Across processes, with Orbax checkpoints every 50 steps and up to 3 restarts after a crash
+(each restart resumes from the newest checkpoint, bit for bit the run it continues; any mode
+but ``adaptive``):
 
     python -m cgx_jax.launch -n 2 --devices-per-process 4 --max-restarts 3 -- \\
         python examples/vit/train.py --mode cgx --checkpoint-dir /tmp/vit-ckpt
@@ -38,6 +40,7 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
                                + " --xla_force_host_platform_device_count=8").strip()
 
 import argparse  # noqa: E402
+import functools  # noqa: E402
 import itertools  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
@@ -104,8 +107,8 @@ def parse_args(argv=None):
                    help="cgx: error feedback (a residual per device, in the optimizer state)")
     # Checkpoints.
     p.add_argument("--checkpoint-dir", default=None,
-                   help="save checkpoints here and resume from the newest one found (one "
-                        "run: one --mode, baseline or cgx, and one seed)")
+                   help="save Orbax checkpoints here and resume from the newest one found "
+                        "(one run: one --mode, not adaptive, and one seed)")
     p.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints")
     # Output.
     p.add_argument("--tiny", action="store_true",
@@ -123,8 +126,8 @@ def parse_args(argv=None):
     args.modes = modes
     if args.checkpoint_dir and (len(modes) != 1 or modes[0] == "adaptive"
                                 or len(args.seeds) != 1):
-        raise SystemExit(f"--checkpoint-dir resumes one run: give one --mode (baseline or "
-                         f"cgx) and one seed, not --mode {' '.join(args.mode)} --seeds "
+        raise SystemExit(f"--checkpoint-dir resumes one run: give one --mode (not adaptive) "
+                         f"and one seed, not --mode {' '.join(args.mode)} --seeds "
                          f"{' '.join(map(str, args.seeds))}")
     if args.checkpoint_every < 1:
         raise SystemExit(f"--checkpoint-every must be at least 1, got {args.checkpoint_every}")
@@ -224,44 +227,35 @@ def fsdp_spec(leaf, num_devices):
     return P(AXIS) if leaf.ndim and leaf.shape[0] % num_devices == 0 else P()
 
 
-def make_fsdp_step(graphdef, params, tx, mesh, num_classes, smoothing, weights, grad_codec):
-    """One jitted FSDP step: each device holds its rows of the split leaves (and their Adam
-    state), gathers them whole for the loss (``weights``: a ``cgx.LayerPolicy`` for
-    ``cgx.compressed_all_gather``, None for ``lax.all_gather``), and autodiff
-    reduce-scatters their gradients (compressed with ``grad_codec``); the few leaves that
-    are not split are replicated and their gradients averaged with ``pmean``. The optimizer
+def make_fsdp_step(graphdef, params, tx, mesh, num_classes, smoothing, use_cgx, args, seed):
+    """One jitted FSDP step written the GSPMD way: each device holds its rows of the split
+    leaves (and their Adam state), and ``jax.value_and_grad`` of the loss on the global batch
+    lets XLA gather the weights and reduce-scatter their gradients in f32 (``fsdp-exact``).
+    ``fsdp`` swaps in ``cgx.value_and_grad``: each split weight gathered at 8 bits
+    (``fsdp_weights``), its gradient reduce-scattered at ``--bits``; the leaves that are not
+    split are replicated and their gradients all-reduced (``cgx_policy``). The optimizer
     updates the f32 rows."""
-    n = mesh.size
-    treedef = jax.tree.structure(params)
-    split = [fsdp_spec(leaf, n) == P(AXIS) for leaf in jax.tree.leaves(params)]
+    specs = jax.tree.map(lambda v: fsdp_spec(v, mesh.size), params)
+    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
+    state_shardings = jax.tree.map(lambda v: NamedSharding(mesh, fsdp_spec(v, mesh.size)),
+                                   jax.eval_shape(tx.init, params))
+    loss = lambda p, x, y: loss_fn(graphdef, p, x, y, num_classes, smoothing)  # noqa: E731
+    if use_cgx:
+        grad_fn = cgx.value_and_grad(loss, mesh=mesh, axis_name=AXIS, param_specs=specs,
+                                     policy=cgx_policy(args), seed=seed,
+                                     weight_policy=fsdp_weights(args, "fsdp"))
+    else:
+        grad_fn = lambda p, x, y, step: jax.value_and_grad(loss)(p, x, y)  # noqa: E731
 
-    def gather(leaves, key):
-        parts = [v for v, s in zip(leaves, split) if s]
-        full = iter(cgx.compressed_all_gather(parts, AXIS, tiled=True, key=key, policy=weights,
-                                              grad_codec=grad_codec)
-                    if weights is not None
-                    else [jax.lax.all_gather(v, AXIS, tiled=True) for v in parts])
-        return jax.tree.unflatten(treedef, [next(full) if s else v
-                                            for v, s in zip(leaves, split)])
+    @functools.partial(jax.jit, donate_argnums=(0, 1),
+                       out_shardings=(shardings, state_shardings, None))
+    def step(params, opt_state, x, y, step):
+        value, grads = grad_fn(params, x, y, step=step)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
 
-    def step(shards, opt_state, x, y, key):
-        # Replicated leaves as local values: their gradients are this device's own.
-        local = [v if s else jax.lax.pcast(v, AXIS, to="varying")
-                 for v, s in zip(jax.tree.leaves(shards), split)]
-        loss, grads = jax.value_and_grad(lambda leaves: loss_fn(
-            graphdef, gather(leaves, key), x, y, num_classes, smoothing))(local)
-        # A gathered leaf's gradient arrives summed over the devices: the mean is / n.
-        grads = jax.tree.unflatten(treedef, [g / n if s else jax.lax.pmean(g, AXIS)
-                                             for g, s in zip(grads, split)])
-        updates, opt_state = tx.update(grads, opt_state, shards)
-        return optax.apply_updates(shards, updates), opt_state, jax.lax.pmean(loss, AXIS)
-
-    param_specs = jax.tree.map(lambda v: fsdp_spec(v, n), params)
-    state_specs = jax.tree.map(lambda v: fsdp_spec(v, n), jax.eval_shape(tx.init, params))
-    return jax.jit(jax.shard_map(step, mesh=mesh,
-                                 in_specs=(param_specs, state_specs, P(AXIS), P(AXIS), P()),
-                                 out_specs=(param_specs, state_specs, P())),
-                   donate_argnums=(0, 1))
+    place = lambda tree, where: jax.tree.map(jax.device_put, tree, where)  # noqa: E731
+    return step, place(params, shardings), place(tx.init(params), state_shardings)
 
 
 def global_batch(x, sharding):
@@ -333,16 +327,11 @@ def train_run(mode, seed, args, ds, mesh, show_progress):
         return tx, make_train_step(graphdef, tx, mesh, ds.num_classes, args.label_smoothing,
                                    specs)
 
-    fsdp_key = None  # FSDP steps take their rounding noise as an argument
     if mode in FSDP_MODES:
         tx = make_optimizer(optax.identity(), args, total)
-        train_step = make_fsdp_step(graphdef, params, tx, mesh, ds.num_classes,
-                                    args.label_smoothing, fsdp_weights(args, mode),
-                                    cgx.Codec(bits=args.bits, bucket_size=args.bucket_size))
-        place = lambda tree: jax.tree.map(  # noqa: E731
-            lambda v: jax.device_put(v, NamedSharding(mesh, fsdp_spec(v, n_dev))), tree)
-        params, opt_state = place(params), place(tx.init(params))
-        fsdp_key = jax.random.PRNGKey(seed)
+        train_step, params, opt_state = make_fsdp_step(
+            graphdef, params, tx, mesh, ds.num_classes, args.label_smoothing, mode == "fsdp",
+            args, seed)
     else:
         tx, train_step = build(policy)
         params = jax.device_put(params, NamedSharding(mesh, P()))
@@ -355,10 +344,10 @@ def train_run(mode, seed, args, ds, mesh, show_progress):
     losses, evals, step_times, compile_steps = [], [], [], {0}
     step = 0
     aug_rng = np.random.default_rng([seed, 1])  # same augmentation in every mode
-    saved = checkpoint.newest(args.checkpoint_dir)
+    checkpoints = checkpoint.manager(args.checkpoint_dir) if args.checkpoint_dir else None
+    saved = checkpoints.latest_step() if checkpoints else None
     if saved is not None:
-        (params, opt_state), host = checkpoint.restore(args.checkpoint_dir, saved,
-                                                       (params, opt_state))
+        (params, opt_state), host = checkpoint.restore(checkpoints, saved, (params, opt_state))
         step, losses, evals = saved, host["losses"], host["evals"]
         aug_rng.bit_generator.state = host["data_rng"]
         print(f"resumed from the checkpoint of step {step} in {args.checkpoint_dir} "
@@ -366,7 +355,7 @@ def train_run(mode, seed, args, ds, mesh, show_progress):
     epoch, done_in_epoch = divmod(step, steps_per_epoch)
 
     def save_checkpoint():  # the state after `step` steps, and where the data stands
-        checkpoint.save(args.checkpoint_dir, step, (params, opt_state), {
+        checkpoint.save(checkpoints, step, (params, opt_state), {
             "losses": losses, "evals": evals, "data_rng": aug_rng.bit_generator.state})
 
     bar = progress_bar(total, f"{mode} seed {seed}", show_progress)
@@ -383,11 +372,10 @@ def train_run(mode, seed, args, ds, mesh, show_progress):
             x = datasets.random_shift(ds.x_train[idx], aug_rng, args.shift)
             x, y = (global_batch(a, batch_sharding) for a in (x, ds.y_train[idx]))
             start = time.perf_counter()
-            if fsdp_key is None:
-                params, opt_state, loss = train_step(params, opt_state, x, y)
+            if mode in FSDP_MODES:  # the rounding noise is folded from the step
+                params, opt_state, loss = train_step(params, opt_state, x, y, np.int32(step))
             else:
-                params, opt_state, loss = train_step(params, opt_state, x, y,
-                                                     jax.random.fold_in(fsdp_key, step))
+                params, opt_state, loss = train_step(params, opt_state, x, y)
             loss = float(loss)  # wait for every step: bounds the collectives in flight
             step_times.append(time.perf_counter() - start)
             losses.append(loss)
@@ -400,15 +388,17 @@ def train_run(mode, seed, args, ds, mesh, show_progress):
                                 img_s=f"{args.batch_size / np.mean(recent):.0f}")
             if step == total:
                 break
-            if args.checkpoint_dir and step % args.checkpoint_every == 0:
+            if checkpoints and step % args.checkpoint_every == 0:
                 save_checkpoint()
         epoch, done_in_epoch = epoch + 1, 0
         if step % steps_per_epoch == 0 or step == total:
             acc, test_loss = evaluate(params, ds.x_test, ds.y_test)
             evals.append({"step": step, "test_accuracy": acc, "test_loss": test_loss})
     bar.close()
-    if args.checkpoint_dir and step != saved:  # the final state, with the final evaluation
+    if checkpoints and step != saved:  # the final state, with the final evaluation
         save_checkpoint()
+    if checkpoints:
+        checkpoints.close()
     if mode == "adaptive" and args.verbose:
         print(f"adaptive policy (fitted at step {adapt_at}):")
         print(cgx.summary(policy, jax.device_get(params)))
