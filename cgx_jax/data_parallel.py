@@ -30,11 +30,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.experimental.custom_partitioning import SdyShardingRule, custom_partitioning
 from jax.sharding import AxisType, Mesh, PartitionSpec as P
 
 from cgx_jax import flax_compat
 from cgx_jax.api import reduce_leaves, warn_nothing_compressed
-from cgx_jax.collectives.jax_compat import reshard
+from cgx_jax.collectives.jax_compat import reshard, untyped_collectives
 from cgx_jax.policy import (
     LayerPolicy,
     check_policy,
@@ -81,7 +82,7 @@ def _data_dim(spec, axis_name, path) -> int | None:
     """The dimension that ``spec`` shards over the data axis (an FSDP parameter), or None
     (replicated over it). One dimension sharded over the data axis and another axis together
     is refused: each device would hold a shard of a shard."""
-    for dim, entry in enumerate(spec):
+    for dim, entry in enumerate(spec or ()):  # None: a layout decided after tracing
         names = entry if isinstance(entry, tuple) else (entry,)
         if axis_name in names:
             if len(names) > 1:
@@ -118,10 +119,11 @@ def value_and_grad(fun: Callable, *, mesh: Mesh, axis_name: str, argnums=0,
         prefix of the gradients); default: an NNX module's sharding annotations
         (``nnx.with_partitioning``, ``sharding=``), else what JAX tells of each array (its
         type over explicit mesh axes; a placed array's sharding when called outside
-        ``jit``). Over automatic axes inside ``jit`` that cannot be known at trace time: the
-        gradients are then laid out replicated over those axes, with a warning that says
-        how to pass ``param_specs`` (``P()`` says they are replicated). A gradient is
-        compressed per shard, so each device encodes only what it holds. A ``param_specs``
+        ``jit``). Over automatic axes inside ``jit``, where a layout is decided after
+        tracing, XLA's partitioner tells it when it compiles the step (with error feedback,
+        whose residual is placed before, they are taken as replicated, with a warning that
+        says how to pass ``param_specs``). A gradient is compressed per shard, so each
+        device encodes only what it holds. A ``param_specs``
         that calls replicated a parameter whose annotation or placement shards it over
         ``axis_name`` is a ``ValueError``.
 
@@ -287,7 +289,7 @@ class _Call:
         elif graphs:
             leaf_specs = _leaf_specs(params, None)  # the NNX annotations
         else:
-            leaf_specs = _specs_jax_knows(params, visible, paths, settings["mesh"], axis_name)
+            leaf_specs = _specs_jax_knows(visible, settings["mesh"], axis_name)
         fsdp = {j: d for j, (spec, path) in enumerate(zip(leaf_specs, paths))
                 if (d := _data_dim(spec, axis_name, path)) is not None}
         fsdp_paths, first = {}, 0
@@ -342,25 +344,34 @@ def _visible_specs(params) -> list:
     return out
 
 
-def _specs_jax_knows(params, visible, paths, mesh, axis_name) -> list:
+def _specs_jax_knows(visible, mesh, axis_name) -> list:
     """The ``PartitionSpec`` of every parameter array as JAX tells it at trace time
-    (``_visible_specs``). Where the mesh has automatic axes besides ``axis_name`` and a
-    traced parameter's layout over them cannot be known, warns and takes it as replicated."""
+    (``_visible_specs``); None for a traced parameter whose layout over the mesh's automatic
+    axes (besides ``axis_name``) is decided after tracing: its gradient is reduced where
+    XLA's partitioner knows it (``_mean_when_partitioned``)."""
     auto = [a for a in mesh.axis_names if a != axis_name and mesh.shape[a] > 1
             and _axis_type(mesh, a) == AxisType.Auto]
-    unknown = [path for path, spec in zip(paths, visible) if spec is None]
-    if unknown and auto:
+    return [P() if spec is None and not auto else spec for spec in visible]
+
+
+def _specs_for_residual(call: _Call) -> list:
+    """``call.specs`` for a step with an error-feedback residual, which ``init_residual``
+    placed by the specs known before tracing: a leaf whose layout over automatic axes is
+    decided after tracing is taken as replicated over them, with a warning."""
+    unknown = [path for path, spec in zip(call.paths, call.specs) if spec is None]
+    if unknown:
+        auto = [a for a in call.mesh.axis_names if a != call.axis_name
+                and _axis_type(call.mesh, a) == AxisType.Auto]
         warnings.warn(
-            f"cgx.value_and_grad cannot see how parameters {unknown[:3]}"
-            f"{' ...' if len(unknown) > 3 else ''} are sharded over the automatic mesh axes "
-            f"{tuple(auto)} (inside jax.jit an array's layout over automatic axes is decided "
-            f"after tracing), so their gradients are laid out replicated over them: each "
-            f"device then encodes the whole gradient, and one sharded over "
-            f"{auto[0]!r} is gathered first. Pass param_specs=jax.tree.map(lambda a: "
-            f"a.sharding.spec, params), built outside jit from the placed parameters, or "
-            f"param_specs=P() if they are replicated; explicit mesh axes need neither.",
-            stacklevel=5)
-    return [P() if spec is None else spec for spec in visible]
+            f"cgx.value_and_grad with error feedback cannot see how parameters "
+            f"{unknown[:3]}{' ...' if len(unknown) > 3 else ''} are sharded over the "
+            f"automatic mesh axes {tuple(auto)} (inside jax.jit an array's layout over "
+            f"automatic axes is decided after tracing), so their gradients and residuals are "
+            f"laid out replicated over them: each device then encodes the whole gradient. "
+            f"Pass param_specs=jax.tree.map(lambda a: a.sharding.spec, params), built outside "
+            f"jit from the placed parameters (to init_residual too), or param_specs=P() if "
+            f"they are replicated; explicit mesh axes need neither.", stacklevel=4)
+    return [P() if spec is None else spec for spec in call.specs]
 
 
 def _step_key(step, seed: int):
@@ -520,8 +531,8 @@ def _need_step(codecs, key) -> None:
 
 def _lay_out(g, spec, mesh):
     """``g`` laid out as ``spec`` says: a constraint over automatic axes, a reshard over
-    explicit ones (where JAX refuses constraints)."""
-    if spec == P():
+    explicit ones (where JAX refuses constraints); ``spec`` None: as XLA propagates it."""
+    if spec is None or spec == P():
         return g
     if any(_axis_type(mesh, n) == AxisType.Explicit for n in _axis_names(spec)):
         return reshard(g, spec)
@@ -572,56 +583,117 @@ def _compressed_mean(call: _Call, grads, residual):
     """Stage 2: the compressed mean of the stacked local gradients (plus each participant's
     error-feedback residual, when there is one), manual over every mesh axis, so each device
     encodes its own shard. FSDP leaves, reduced in stage 1, only get their data dimension
-    back in place. Returns the mean and the new residual (``None`` without one)."""
+    back in place; leaves whose layout over automatic axes JAX decides after tracing are
+    reduced where XLA's partitioner knows it (``_mean_when_partitioned``). Returns the mean
+    and the new residual (``None`` without one)."""
     mesh, axis_name, key, codecs = call.mesh, call.axis_name, call.key, call.codecs
     treedef = jax.tree_util.tree_structure(grads)
     leaves = jax.tree_util.tree_leaves(grads)
     out = [_unstack_shard(leaves[j], call.fsdp[j], call.specs[j], mesh) if j in call.fsdp
            else None for j in range(len(leaves))]
-    todo = [j for j in range(len(leaves)) if j not in call.fsdp]
     residual_leaves = _checked_residual(call, treedef, leaves, residual)
+    specs = _specs_for_residual(call) if residual_leaves else call.specs
+    todo = [j for j in range(len(leaves)) if j not in call.fsdp and specs[j] is not None]
+    late = [j for j in range(len(leaves)) if j not in call.fsdp and specs[j] is None]
     if all(codec is None for codec in codecs) and call.policy.default is not None:
         warn_nothing_compressed(call.policy, [jax.ShapeDtypeStruct(leaf.shape[1:], leaf.dtype)
                                               for leaf in leaves])
-    noise_groups = _noise_groups([call.specs[j] for j in todo], mesh)
-
-    def reduce(key, *stacked):
-        grads_in, residual_in = stacked[:len(todo)], stacked[len(todo):]
-        local = [g[0] for g in grads_in]
-        if residual_in:  # EF-SGD: what this participant's compression lost last step
-            local = [with_residual(g, r[0]) for g, r in zip(local, residual_in)]
-        _need_step([codecs[j] for j in todo], key)
-        reduced, lost = [None] * len(todo), [None] * len(todo)
-        for number, (shard_axes, members) in enumerate(noise_groups.items()):
-            group_key = key
-            if key is not None and shard_axes:  # each distinct shard its own noise
-                group_key = jax.random.fold_in(jax.random.fold_in(key, number),
-                                               lax.axis_index(shard_axes))
-            means, errors = reduce_leaves(
-                [local[m] for m in members], [codecs[todo[m]] for m in members], axis_name,
-                key=group_key, algorithm=call.algorithm, backend=call.backend, mean=True,
-                with_loss=bool(residual_in), paths=[call.paths[todo[m]] for m in members])
-            for k, m in enumerate(members):
-                reduced[m] = means[k]
-                if residual_in:  # an exact leaf keeps its zero
-                    lost[m] = (errors[k][None] if codecs[todo[m]] is not None
-                               else residual_in[m])
-        return tuple(reduced), (tuple(lost) if residual_in else ())
-
+    if late:
+        for j, value in zip(late, _mean_when_partitioned(call, late, leaves)):
+            out[j] = value
     if todo:
-        in_specs = [P(axis_name, *call.specs[j]) for j in todo]
+        todo_specs = [specs[j] for j in todo]
+        in_specs = [P(axis_name, *spec) for spec in todo_specs]
         residual_specs = tuple(spec if codecs[j] is not None else P(axis_name)  # a zero each
                                for spec, j in zip(in_specs, todo)) if residual_leaves else ()
+        reduce = lambda key, *stacked: _reduce_rows(  # noqa: E731
+            call, todo, todo_specs, key, stacked[:len(todo)], stacked[len(todo):])
         mean, lost = jax.shard_map(
             reduce, mesh=mesh, in_specs=(None if key is None else P(), *in_specs,
                                          *residual_specs),
-            out_specs=(tuple(call.specs[j] for j in todo), residual_specs))(
+            out_specs=(tuple(todo_specs), residual_specs))(
             key, *(leaves[j] for j in todo), *residual_leaves)
         for j, value in zip(todo, mean):
             out[j] = value
     out = jax.tree_util.tree_unflatten(treedef, out)
     return out, (jax.tree_util.tree_unflatten(treedef, list(lost)) if residual_leaves
                  else None)
+
+
+def _reduce_rows(call: _Call, todo, specs, key, stacked, residual_in):
+    """The compressed mean over the data axis of this device's row of each stacked gradient
+    ``todo`` (leaf indices; ``specs``: their layouts over the mesh), in a context manual
+    over every mesh axis; with ``residual_in`` (EF-SGD), added to what this participant's
+    compression lost last step. Returns (means, new residual rows or ``()``)."""
+    codecs = call.codecs
+    local = [g[0] for g in stacked]
+    if residual_in:
+        local = [with_residual(g, r[0]) for g, r in zip(local, residual_in)]
+    _need_step([codecs[j] for j in todo], key)
+    reduced, lost = [None] * len(todo), [None] * len(todo)
+    for number, (shard_axes, members) in enumerate(_noise_groups(specs, call.mesh).items()):
+        group_key = key
+        if key is not None and shard_axes:  # each distinct shard its own noise
+            group_key = jax.random.fold_in(jax.random.fold_in(key, number),
+                                           lax.axis_index(shard_axes))
+        means, errors = reduce_leaves(
+            [local[m] for m in members], [codecs[todo[m]] for m in members], call.axis_name,
+            key=group_key, algorithm=call.algorithm, backend=call.backend, mean=True,
+            with_loss=bool(residual_in), paths=[call.paths[todo[m]] for m in members])
+        for k, m in enumerate(members):
+            reduced[m] = means[k]
+            if residual_in:  # an exact leaf keeps its zero
+                lost[m] = (errors[k][None] if codecs[todo[m]] is not None
+                           else residual_in[m])
+    return tuple(reduced), (tuple(lost) if residual_in else ())
+
+
+def _mean_when_partitioned(call: _Call, late, leaves):
+    """``_reduce_rows`` of the stacked gradients ``late`` (leaf indices) whose layout over
+    the automatic mesh axes JAX decides after tracing, as a ``custom_partitioning`` op: XLA's
+    partitioner, having propagated the parameters' layouts, calls ``partition`` with each
+    gradient's sharding, and every device encodes its own shard there, as with known specs.
+    The op's Shardy rule maps each gradient's dimensions to the mean's, its row dimension
+    reduced."""
+    mesh, axis_name, key = call.mesh, call.axis_name, call.key
+    operands = [leaves[j] for j in late] + ([] if key is None else [key])
+
+    def specs_of(arg_shapes):  # each gradient's layout after its row dimension
+        specs = []
+        for shape in arg_shapes[:len(late)]:
+            entries = (tuple(shape.sharding.spec) + (None,) * shape.ndim)[1:shape.ndim]
+            specs.append(P(*(None if entry == axis_name else entry for entry in entries)))
+        return specs
+
+    def infer(_, arg_shapes, result_shape):
+        return tuple(jax.sharding.NamedSharding(mesh, spec) for spec in specs_of(arg_shapes))
+
+    def partition(_, arg_shapes, result_shape):
+        specs = specs_of(arg_shapes)
+
+        def lower(*local):
+            with untyped_collectives():  # traced outside shard_map: no varying types
+                return _reduce_rows(call, late, specs, local[len(late)] if key is not None
+                                    else None, local[:len(late)], ())[0]
+
+        named = lambda spec: jax.sharding.NamedSharding(mesh, spec)  # noqa: E731
+        return (mesh, lower, tuple(named(spec) for spec in specs),
+                tuple(named(P(axis_name, *spec)) for spec in specs)
+                + ((named(P()),) if key is not None else ()))
+
+    @custom_partitioning
+    def mean(*args):  # what the op means, for a partitioner that does not call partition
+        return tuple(jnp.mean(g.astype(jnp.float32), 0).astype(g.dtype)
+                     for g in args[:len(late)])
+
+    dims = [tuple(f"d{i}_{k}" for k in range(leaves[j].ndim - 1)) for i, j in enumerate(late)]
+    mean.def_partition(partition, infer_sharding_from_operands=infer,
+                       sharding_rule=SdyShardingRule(
+                           operand_mappings=tuple((f"n{i}", *d) for i, d in enumerate(dims))
+                           + ((("key",),) if key is not None else ()),
+                           result_mappings=tuple(dims),
+                           reduction_factors=tuple(f"n{i}" for i in range(len(late)))))
+    return mean(*operands)
 
 
 def _unstack_shard(rows, dim: int, spec, mesh):

@@ -90,7 +90,38 @@ def compute(mesh, hierarchical: bool):
     sharding = NamedSharding(mesh, spec)
     args = [jax.make_array_from_callback(a.shape, sharding, lambda index, a=a: a[index])
             for a in (x, half, count, big)]
-    return jax.block_until_ready(fn(*args))  # one program in flight at a time
+    results = jax.block_until_ready(fn(*args))  # one program in flight at a time
+    if hierarchical:
+        results.update(gspmd_gradients(mesh))
+    return results
+
+
+def gspmd_gradients(mesh):
+    """``cgx.value_and_grad`` inside ``jax.jit`` on the automatic mesh (data axis 'outer',
+    weights placed over 'inner', no ``param_specs``): the gradients are reduced where XLA's
+    partitioner knows their layout (a custom_partitioning op). Returns each device's copy of
+    each whole gradient (its blocks gathered exactly), one row per device."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    import cgx_jax as cgx
+
+    rng = np.random.default_rng(99)
+    specs = {"w1": P(None, "inner"), "w2": P("inner", None)}
+    values = {"w1": rng.normal(size=(64, 256)) / 8, "w2": rng.normal(size=(256, 32)) / 16}
+    place = lambda a, spec: jax.make_array_from_callback(  # noqa: E731
+        a.shape, NamedSharding(mesh, spec), lambda index: a[index])
+    params = {k: place(v.astype(np.float32), specs[k]) for k, v in values.items()}
+    x = place(rng.normal(size=(8 * mesh.shape["outer"], 64)).astype(np.float32), P("outer"))
+    loss = lambda p, x: jnp.mean((jnp.tanh(x @ p["w1"]) @ p["w2"]) ** 2)  # noqa: E731
+    grad_fn = cgx.value_and_grad(loss, mesh=mesh, axis_name="outer", policy=cgx.LayerPolicy(
+        default=cgx.Codec(**CODEC_ARGS), min_size=1))
+    grads = jax.jit(lambda p, x: grad_fn(p, x, step=jnp.int32(3))[1])(params, x)
+    blocks = jax.shard_map(lambda g: jax.tree.map(lambda v: v[None], g), mesh=mesh,
+                           in_specs=(P(),), out_specs=P(("outer", "inner")),
+                           check_vma=False)(grads)
+    return jax.block_until_ready({f"gspmd_{k}": v for k, v in blocks.items()})
 
 
 LARGE_LENGTH = 1 << 24  # 32 MiB inner pieces: where XLA:CPU's Gloo reduce-scatter fails

@@ -96,14 +96,37 @@ def test_explicit_axes_keep_the_sharding_without_param_specs(cpu_devices):
     assert abs(float(value) - float(mlp_loss(*jax.device_get((params, x, y))))) < 1e-5
 
 
-def test_automatic_axes_inside_jit_warn_with_the_fix(cpu_devices):
+def test_automatic_axes_inside_jit_keep_the_sharding_without_param_specs(cpu_devices):
+    """Plain arrays placed over an automatic 'model' axis, traced by jit (no layout at trace
+    time): their gradients are reduced where XLA's partitioner knows the layout, so they
+    come back sharded like the parameters, without a warning, each device moving only u8
+    packets of its own shard."""
     mesh = mesh_4x2(cpu_devices, AxisType.Auto)
     params, x, y = placed(mesh, cpu_devices)
     grad_fn = cgx.value_and_grad(mlp_loss, mesh=mesh, axis_name="batch", policy=EIGHT_BITS)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        (value, grads), hlo = step_and_hlo(grad_fn, mesh, params, x, y)
+    assert "CustomSPMDPartitioning" not in hlo  # partitioned away
+    assert_sharded_like(grads, params)
+    assert_only_packets_gathered(hlo)
+    assert_within_eight_bits(grads, params, x, y)
+    assert abs(float(value) - float(mlp_loss(*jax.device_get((params, x, y))))) < 1e-5
+
+
+def test_automatic_axes_with_error_feedback_warn_with_the_fix(cpu_devices):
+    """Error feedback's residual is placed before tracing, so a layout decided after
+    tracing is taken as replicated, with a warning that says how to pass param_specs."""
+    mesh = mesh_4x2(cpu_devices, AxisType.Auto)
+    params, x, y = placed(mesh, cpu_devices)
+    grad_fn = cgx.value_and_grad(mlp_loss, mesh=mesh, axis_name="batch", policy=EIGHT_BITS,
+                                 error_feedback=True)
+    residual = cgx.init_residual(params, mesh=mesh, axis_name="batch", policy=grad_fn)
+    step = jax.jit(lambda p, x, y, r: grad_fn(p, x, y, step=jnp.int32(0), residual=r))
     with pytest.warns(UserWarning, match=re.escape(
-            "cannot see how parameters ['0/0', '0/1', '1/0'] ... are sharded over "
-            "the automatic mesh axes ('model',)")) as caught:
-        (_, grads), _ = step_and_hlo(grad_fn, mesh, params, x, y)
+            "with error feedback cannot see how parameters ['0/0', '0/1', '1/0'] ... are "
+            "sharded over the automatic mesh axes ('model',)")) as caught:
+        _, grads, _ = step(params, x, y, residual)
     assert "param_specs=jax.tree.map(lambda a: a.sharding.spec, params)" in str(
         caught[0].message)
     assert_within_eight_bits(grads, params, x, y)  # right values, replicated over 'model'
@@ -249,3 +272,28 @@ def test_nnx_module_gradients_have_the_type_nnx_value_and_grad_gives(cpu_devices
     np.testing.assert_allclose(float(value), float(want_value), rtol=1e-6)
     for got, expected in zip(jax.tree.leaves(grads), jax.tree.leaves(want)):
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("given_specs", [False, True], ids=["partitioner", "param_specs"])
+def test_each_model_shard_of_a_gradient_draws_its_own_noise(cpu_devices, given_specs):
+    """A weight whose two column halves over 'model' are equal has a gradient with equal
+    halves; 4-bit stochastic rounding must still give them different noise (each distinct
+    shard its own), whether the layout comes from param_specs or from XLA's partitioner, so
+    the mean's halves differ, each within the codec's bound of the exact gradient."""
+    mesh = mesh_4x2(cpu_devices, AxisType.Auto)
+    half = jax.random.normal(jax.random.key(3), (64, 128)) / 8
+    w = jax.device_put(jnp.concatenate([half, half], 1), NamedSharding(mesh, P(None, "model")))
+    x = jax.device_put(jax.random.normal(jax.random.key(4), (32, 64)),
+                       NamedSharding(mesh, P("batch")))
+    loss = lambda w, x: jnp.mean((x @ w) ** 2)  # noqa: E731
+    four_bits = cgx.LayerPolicy(default=cgx.Codec(bits=4, bucket_size=128), min_size=1)
+    grad_fn = cgx.value_and_grad(loss, mesh=mesh, axis_name="batch", policy=four_bits,
+                                 param_specs=P(None, "model") if given_specs else None)
+    with jax.set_mesh(mesh):
+        _, g = jax.jit(lambda w, x: grad_fn(w, x, step=jnp.int32(5)))(w, x)
+    assert g.sharding.is_equivalent_to(w.sharding, 2)
+    want = np.asarray(jax.grad(loss)(*jax.device_get((w, x))))
+    got = np.asarray(g)
+    np.testing.assert_array_equal(want[:, :128], want[:, 128:])
+    assert not np.array_equal(got[:, :128], got[:, 128:])
+    assert np.linalg.norm(got - want) <= 0.25 * np.linalg.norm(want)

@@ -29,7 +29,7 @@ def test_processes_match_single_process_bitwise(tmp_path, num_processes, devices
     expected = {"sra", "allgather", "ring", "tree_half", "tree_count", "segments_big",
                 "segments_big2", "segments_x"}
     if hierarchical:
-        expected |= {"hier_sra", "hier_allgather", "hier_ring"}
+        expected |= {"hier_sra", "hier_allgather", "hier_ring", "gspmd_w1", "gspmd_w2"}
     assert set(want) == expected
     assert_bitwise_equal(got, want)
     # Compression did something, and the algorithms differ from each other.

@@ -3,6 +3,9 @@ breaks this file only (docs/design.md section 1)."""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -16,6 +19,22 @@ except ImportError:  # older jax: gather_invariant falls back to a psum
     _jax_all_gather_invariant = None
 
 
+_UNTYPED = contextvars.ContextVar("cgx_untyped_collectives", default=False)
+
+
+@contextlib.contextmanager
+def untyped_collectives():
+    """Collectives traced inside this context run where JAX types no value as varying or
+    invariant over mesh axes (a ``custom_partitioning`` op's partitioned function, traced
+    outside ``shard_map``): ``gather_invariant`` is then a plain ``lax.all_gather``, as under
+    ``pmap``."""
+    token = _UNTYPED.set(True)
+    try:
+        yield
+    finally:
+        _UNTYPED.reset(token)
+
+
 def gather_invariant(x, axis_name, *, tiled=False):
     """``lax.all_gather(x, axis_name, tiled=tiled)`` (piece k from participant k), typed
     invariant over the axis under ``shard_map``: every participant receives the same values.
@@ -24,6 +43,8 @@ def gather_invariant(x, axis_name, *, tiled=False):
     straight-through gradient N times larger). XLA runs the same all-gather; only the type
     differs. Older jax without ``all_gather_invariant`` gets a ``psum`` of zero-padded
     pieces instead: exact (every other term is zero) but about twice the bytes."""
+    if _UNTYPED.get():
+        return lax.all_gather(x, axis_name, tiled=tiled)
     if _jax_all_gather_invariant is not None:
         return _jax_all_gather_invariant(x, axis_name, axis=0, tiled=tiled)
     rows = jnp.zeros((lax.axis_size(axis_name),) + x.shape, x.dtype)
