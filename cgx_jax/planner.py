@@ -29,6 +29,7 @@ import numpy as np
 
 from cgx_jax.codec import Codec, wire_bytes
 from cgx_jax.policy import LayerPolicy, check_policy, is_compressible
+from cgx_jax.trees import is_array, partition
 
 # Below this share of the exact step (the all-reduce, plus the compute when it is given) a
 # predicted saving is within what one measurement varies by: compression does not pay.
@@ -203,7 +204,8 @@ def estimate(tree, link, *, policies: dict | None = None,
              step_seconds: float | None = None) -> Estimate:
     """Predicts what compressing ``tree``'s all-reduce saves per step on a measured link.
 
-    ``tree``: the gradients, parameters or their shapes (``jax.eval_shape`` output);
+    ``tree``: the gradients, parameters or their shapes (``jax.eval_shape`` output), or
+    a model as ``cgx.value_and_grad`` takes it (leaves that are not arrays are left out);
     ``link``: a ``LinkProfile`` or the path of the JSON ``python -m cgx_jax.bench link``
     wrote for these processes and network; ``policies``: name -> ``LayerPolicy`` (e.g. a
     ``cgx.fit_policy`` result; default: ``default_policies()``); ``step_seconds``: the
@@ -227,8 +229,17 @@ def estimate(tree, link, *, policies: dict | None = None,
                          "(None compares the defaults: 8, 4 and 2 bits)")
     for name, policy in policies.items():
         check_policy(policy, f"policies[{name!r}]")
+    if step_seconds is not None and not (isinstance(step_seconds, (int, float))
+                                         and math.isfinite(step_seconds) and step_seconds >= 0):
+        raise ValueError(f"step_seconds must be the step's compute time in seconds, a finite "
+                         f"number >= 0 (or None), got {step_seconds!r}")
+    # Only array leaves have gradients to all-reduce (a model's floats and functions do not).
+    tree = partition(tree, is_array)[0]
     leaves = jax.tree_util.tree_leaves(tree)
     floating = [is_compressible(leaf) for leaf in leaves]  # what a gradient all-reduce sends
+    if not any(floating):
+        raise ValueError(f"tree has no floating array leaf, so there is no all-reduce to "
+                         f"estimate (leaves: {[type(leaf).__name__ for leaf in leaves]})")
     f32_bytes = sum(4 * math.prod(leaf.shape) for leaf, f in zip(leaves, floating) if f)
     exact = profile.exact_seconds(f32_bytes, sum(floating))  # lax.psum of the gradient tree
     rows = []

@@ -121,6 +121,30 @@ def test_estimate_adds_up_every_leaf_per_policy():
     assert "compression pays: 2 bits saves" in text and "exact (f32 psum)" in text
 
 
+def test_estimate_takes_a_model_as_value_and_grad_does():
+    """A model with leaves that carry no gradient (a Python float, a function, an integer
+    array) gets the estimate of its floating arrays alone, to the byte and second."""
+    profile = LinkProfile(processes=4, **TRUE)
+    model = {"mlp": MLP, "scale": 0.5, "act": jnp.tanh,
+             "step": jax.ShapeDtypeStruct((1000,), jnp.int32)}
+    got, want = cgx.estimate(model, profile), cgx.estimate(MLP, profile)
+    assert got.f32_bytes == want.f32_bytes
+    assert got.exact_seconds == want.exact_seconds
+    assert got.policies == want.policies
+
+
+@pytest.mark.parametrize("tree, kwargs, message", [
+    ({}, {}, "tree has no floating array leaf"),
+    ({"n": jnp.arange(4), "act": jnp.tanh}, {}, r"leaves: \['ArrayImpl'\]"),
+    (MLP, {"step_seconds": -1}, "step_seconds must be .* got -1"),
+    (MLP, {"step_seconds": float("nan")}, "step_seconds must be .* got nan"),
+    (MLP, {"step_seconds": "0.1"}, "step_seconds must be .* got '0.1'"),
+])
+def test_estimate_refuses_what_it_cannot_estimate(tree, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        cgx.estimate(tree, LinkProfile(processes=4, **TRUE), **kwargs)
+
+
 def test_estimate_says_when_the_link_is_fast_next_to_the_kernels():
     # 10x the link speed, kernels as slow: fewer bytes no longer make up for the encoding.
     fast = LinkProfile(processes=4, exact_latency=2e-3, seconds_per_byte=0.1e-9,

@@ -62,8 +62,8 @@ def test_ring_and_hierarchical_plans_take_one_buffer_per_codec():
 
 
 def test_wire_settings_tell_plans_apart():
-    """What the processes compare: equal for equal plans, different when a shape, a codec or
-    the algorithm differs."""
+    """What the processes compare: equal for equal plans, different when a shape, a dtype, a
+    codec or the algorithm differs."""
     def settings(leaves=LEAVES, codecs=CODECS, algorithm="sra"):
         return plan_reduction(leaves, codecs, algorithm=algorithm,
                               num_participants=4).wire_settings()
@@ -73,6 +73,9 @@ def test_wire_settings_tell_plans_apart():
                                                                    LEAVES[2:]]))
     assert settings() != settings(codecs=[EIGHT, *CODECS[1:]])
     assert settings() != settings(algorithm="allgather")
+    # One process's exact bias in bf16, the other's in f32: nothing else in the plan differs.
+    bf16_bias = [LEAVES[0], jax.ShapeDtypeStruct(LEAVES[1].shape, jnp.bfloat16), *LEAVES[2:]]
+    assert settings() != settings(leaves=bf16_bias)
 
 
 def test_plan_matches_what_the_run_packs():
