@@ -333,6 +333,21 @@ def test_has_aux_and_several_argnums(cpu_devices):
     assert set(g_params) == {"w1", "b1", "w2"}
 
 
+def test_a_numpy_scalar_parameter_is_differentiated_like_an_array(cpu_devices):
+    """Called eagerly (no jit turning it into an array), a np.float32 leaf of the parameters
+    is a parameter as jax.value_and_grad takes it: its gradient comes back, not None."""
+    mesh = mesh_1d(cpu_devices)
+    params, x, y = regression()
+    loss = lambda p, x, y: mse(p["net"], x, y) * p["scale"]  # noqa: E731
+    tree = {"net": params, "scale": np.float32(2.0)}
+    grad_fn = cgx.value_and_grad(loss, mesh=mesh, axis_name="data", policy=NEAREST8)
+    value, grads = grad_fn(tree, x, y)
+    want_value, want = jax.value_and_grad(loss)(tree, x, y)
+    assert grads["scale"] is not None
+    np.testing.assert_allclose(float(grads["scale"]), float(want["scale"]), rtol=1e-4)
+    np.testing.assert_allclose(float(value), float(want_value), rtol=1e-5)
+
+
 def test_error_feedback_residual_is_per_participant_and_sharded_like_its_parameter(
         cpu_devices):
     mesh = mesh_2d(cpu_devices)

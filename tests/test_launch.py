@@ -332,3 +332,26 @@ def test_link_bad_arguments(capsys, args, message):
         launch.main(["-n", "2", *args, "--", "true"])
     assert e.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_initialize_takes_the_launchers_heartbeat_timeout():
+    """initialize() passes jax.distributed the launcher's CGX_JAX_HEARTBEAT_TIMEOUT (rounded
+    up to whole seconds), its own default without it, and an argument over both (in a fresh
+    interpreter, with jax.distributed.initialize recorded instead of run)."""
+    script = (
+        "import os, jax\n"
+        "from cgx_jax import launch\n"
+        "seen = []\n"
+        "jax.distributed.initialize = lambda **kw: seen.append(kw['heartbeat_timeout_seconds'])\n"
+        "os.environ.update({launch.ENV_PROCESS_ID: '0', launch.ENV_NUM_PROCESSES: '1',\n"
+        "                   launch.ENV_COORDINATOR: '127.0.0.1:1'})\n"
+        "launch.initialize(exit_on_exception=False)\n"
+        "os.environ[launch.ENV_HEARTBEAT_TIMEOUT] = '3.5'\n"
+        "launch.initialize(exit_on_exception=False)\n"
+        "launch.initialize(exit_on_exception=False, heartbeat_timeout=30)\n"
+        "print(seen)\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CGX_JAX_")}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == [f"[{launch.DEFAULT_HEARTBEAT_TIMEOUT},", "4,", "30]"]
