@@ -186,6 +186,18 @@ def test_a_timeout_is_not_restarted():
     assert "restart 1" not in done.stdout and "restarting" not in done.stderr
 
 
+def test_the_timeout_bounds_all_attempts_together():
+    """Rank 1 fails after 0.5 s in every attempt, with 10 restarts allowed: --timeout 2 ends
+    the run (exit 124) within the first few attempts. A deadline started again with each
+    attempt would let all 11 run (each under 2 s) and end with rank 1's exit code."""
+    done = _launch_bash('echo "restart $CGX_JAX_RESTART_COUNT"; '
+                        'if [ "$CGX_JAX_PROCESS_ID" = 1 ]; then sleep 0.5; exit 3; fi; sleep 30',
+                        "--max-restarts", "10", "--timeout", "2")
+    assert done.returncode == 124, done.stderr[-3000:]
+    assert "timed out after 2 s" in done.stderr
+    assert "no restarts left" not in done.stderr and "restart 10" not in done.stdout
+
+
 @pytest.mark.parametrize("lines, lost", [
     (["E coordination_service.cc:1763] ... UNAVAILABLE: The following tasks are unhealthy "
       "(stopped sending heartbeats):", "1, 3", "The tasks have crashed."], {1, 3}),  # jax 0.10
@@ -211,8 +223,9 @@ def test_ranks_are_named_in_runs(ranks, text):
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl is Linux's")
 def test_processes_die_with_a_launcher_killed_by_sigkill():
+    # The ranks ignore SIGTERM, as JAX does (a preemption notice): only SIGKILL stops them.
     command = [sys.executable, "-m", "cgx_jax.launch", "-n", "2", "--",
-               "bash", "-c", 'echo "pid=$$"; exec sleep 60']
+               "bash", "-c", 'trap "" TERM; echo "pid=$$"; exec sleep 60']
     launcher = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
     pids = []
     try:

@@ -66,7 +66,8 @@ def test_all_gather_is_the_decoded_shards_laid_out_as_lax(axis, tiled, dtype):
 def test_a_pytree_gathers_small_leaves_exactly_and_fuses_the_rest():
     """Under the layer policy's rules (decided on the gathered shape): the 1-D bias, the small
     matrix and the int leaf travel exactly (equal to lax.all_gather); the two large leaves
-    share a segment and decode as the model says. codec= compresses every floating leaf."""
+    share a segment and decode as the model says, or with two codecs, two segments.
+    codec= compresses every floating leaf."""
     tree = {"w1": shards(1), "w2": shards(2, (40, 120)), "b": shards(3, (40,)),
             "small": shards(4, (8, 8)), "count": np.arange(N * 3, dtype=np.int32).reshape(N, 3)}
     policy = cgx.LayerPolicy(default=W8)
@@ -78,6 +79,13 @@ def test_a_pytree_gathers_small_leaves_exactly_and_fuses_the_rest():
     for name in ("w1", "w2"):
         want = np.concatenate([roundtrip(s, W8) for s in tree[name]], axis=0)
         np.testing.assert_array_equal(got[name][0], want)
+    # Two codecs: two segments, the second decoded from its own offset in the packets.
+    two = cgx.LayerPolicy(default=W8, overrides={"^w2$": W4N})
+    split = run_sharded(lambda t: cgx.compressed_all_gather(t, "batch", tiled=True,
+                                                            policy=two), tree, N)
+    for name, codec in (("w1", W8), ("w2", W4N)):
+        want = np.concatenate([roundtrip(s, codec) for s in tree[name]], axis=0)
+        np.testing.assert_array_equal(split[name][0], want)
     every = run_sharded(lambda t: cgx.compressed_all_gather(t, "batch", tiled=True, codec=W8),
                         tree, N)
     np.testing.assert_array_equal(every["count"], exact["count"])
