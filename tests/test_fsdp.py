@@ -283,15 +283,15 @@ def test_the_shard_map_route_gathers_only_the_leaves_its_specs_shard():
                               mesh=mesh, in_specs=(specs,), out_specs=P()))(state)
 
 
-def test_the_readme_nnx_step_runs_and_matches_nnx_on_explicit_axes():
-    """The README's NNX FSDP step, run as written (jax.make_mesh's default Explicit axes, an
+def test_the_documented_nnx_step_runs_and_matches_nnx_on_explicit_axes():
+    """docs/fsdp.md's NNX FSDP step, run as written (jax.make_mesh's default Explicit axes, an
     nnx.Optimizer whose step seeds the noise), against the same script with
     nnx.value_and_grad: the loss and the parameters' updates after 3 Adam steps close to it
     but not equal (compressed), kernels and their Adam moments still sharded by rows."""
     import os
 
-    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
-    section = readme.split("**GSPMD FSDP in one line.**", 1)[1].split("**In `shard_map`.**")[0]
+    doc = open(os.path.join(os.path.dirname(__file__), "..", "docs", "fsdp.md")).read()
+    section = doc.split("## A Flax NNX FSDP step", 1)[1].split("## In `shard_map`")[0]
     code = section.split("```python\n", 1)[1].split("```", 1)[0]
     swapped = ("cgx.value_and_grad(loss_fn, mesh=mesh, axis_name=\"fsdp\")(\n"
                "        model, x, y, step=optimizer.step[...])")

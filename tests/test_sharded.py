@@ -352,12 +352,12 @@ def test_bad_arguments_name_what_is_wrong():
         cgx.compressed_all_gather(jnp.ones((4, 4)), "nowhere")
 
 
-def test_the_readme_recipe_runs_and_matches_exact_fsdp():
-    """The README's FSDP recipe, run as written (on the 8 CPU devices): its step's loss and
-    updated parameters against the same step with lax.all_gather, the parameters keeping
-    their row sharding."""
-    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
-    section = readme.split("## Sharded (FSDP) training", 1)[1].split("**In `shard_map`.**", 1)[1]
+def test_the_documented_shard_map_recipe_runs_and_matches_exact_fsdp():
+    """docs/fsdp.md's shard_map FSDP recipe, run as written (on the 8 CPU devices): its
+    step's loss and updated parameters against the same step with lax.all_gather, the
+    parameters keeping their row sharding."""
+    doc = open(os.path.join(os.path.dirname(__file__), "..", "docs", "fsdp.md")).read()
+    section = doc.split("## In `shard_map`", 1)[1]
     code = section.split("```python\n", 1)[1].split("```", 1)[0]
     cgx_run = {}
     exec(code, cgx_run)  # noqa: S102
