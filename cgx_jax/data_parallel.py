@@ -349,9 +349,15 @@ def _specs_jax_knows(visible, mesh, axis_name) -> list:
     (``_visible_specs``); None for a traced parameter whose layout over the mesh's automatic
     axes (besides ``axis_name``) is decided after tracing: its gradient is reduced where
     XLA's partitioner knows it (``_mean_when_partitioned``)."""
-    auto = [a for a in mesh.axis_names if a != axis_name and mesh.shape[a] > 1
-            and _axis_type(mesh, a) == AxisType.Auto]
+    auto = _automatic_axes(mesh, axis_name)
     return [P() if spec is None and not auto else spec for spec in visible]
+
+
+def _automatic_axes(mesh, axis_name) -> list:
+    """The mesh's automatic axes of size > 1 besides ``axis_name``: where a traced array's
+    layout is decided after tracing."""
+    return [a for a in mesh.axis_names if a != axis_name and mesh.shape[a] > 1
+            and _axis_type(mesh, a) == AxisType.Auto]
 
 
 def _specs_for_residual(call: _Call) -> list:
@@ -360,8 +366,7 @@ def _specs_for_residual(call: _Call) -> list:
     decided after tracing is taken as replicated over them, with a warning."""
     unknown = [path for path, spec in zip(call.paths, call.specs) if spec is None]
     if unknown:
-        auto = [a for a in call.mesh.axis_names if a != call.axis_name
-                and _axis_type(call.mesh, a) == AxisType.Auto]
+        auto = _automatic_axes(call.mesh, call.axis_name)
         warnings.warn(
             f"cgx.value_and_grad with error feedback cannot see how parameters "
             f"{unknown[:3]}{' ...' if len(unknown) > 3 else ''} are sharded over the "
