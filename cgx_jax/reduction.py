@@ -210,7 +210,6 @@ def segment_seeds(plan: ReductionPlan, key, axis_name, inner_axis_name=None):
     return jnp.concatenate(seeds)
 
 
-
 def run_scatter_plan(plan: ReductionPlan, leaves, axis_name, *, key, backend: str):
     """The reduce-scatter of a ``REDUCE_SCATTER`` plan: ``leaves`` ``[N, ...]`` -> this
     participant's ``[...]`` of each (a list, the input's dtypes), the sum over participants
