@@ -22,6 +22,7 @@ as ``jax.value_and_grad``'s would, so ``optimizer.update`` and Optax apply uncha
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -44,8 +45,9 @@ from cgx_jax.policy import (
     residual_shape,
     with_residual,
 )
-from cgx_jax.sharded import WEIGHT_CODEC, gather_leaves
+from cgx_jax.sharded import WEIGHT_CODEC, finish_gather, gather_leaves, start_gather
 from cgx_jax.trees import combine, is_array, is_differentiable, partition
+from cgx_jax.validation import check_choice
 from cgx_jax.vma import local_value_and_grad, to_local
 
 # The noise of the FSDP weights' gather (and its gradients' reduce-scatter), folded into the
@@ -98,7 +100,8 @@ def _data_dim(spec, axis_name, path) -> int | None:
 def value_and_grad(fun: Callable, *, mesh: Mesh, axis_name: str, argnums=0,
                    has_aux: bool = False, policy: LayerPolicy | None = None, seed: int = 0,
                    algorithm: str = "auto", backend: str = "ffi", param_specs=None,
-                   error_feedback: bool = False, weight_policy: LayerPolicy | None = None):
+                   error_feedback: bool = False, weight_policy: LayerPolicy | None = None,
+                   keep_for_backward: str = "weights"):
     """``jax.value_and_grad(fun, argnums, has_aux)`` (``nnx.value_and_grad`` for an NNX module)
     whose gradients are averaged over ``axis_name`` with cgx's compressed all-reduce; call it
     inside ``jax.jit``/``nnx.jit`` (or eagerly) as ``grad_fn(*args, step=step)``.
@@ -132,6 +135,16 @@ def value_and_grad(fun: Callable, *, mesh: Mesh, axis_name: str, argnums=0,
         ``(value, grads, residual)``; start from ``cgx.init_residual(params, mesh=mesh,
         axis_name=axis_name)`` and carry the returned residual to the next step. Not for
         FSDP parameters (a ``ValueError``).
+      keep_for_backward: what an NNX module's FSDP weights leave for the backward pass.
+        ``"weights"`` (default): each is gathered and decoded at the start of the loss, and
+        the layers keep the decoded weights they use, as GSPMD's FSDP keeps its gathered
+        ones. ``"packets"``: each is gathered at the start as 8-bit packets (a quarter of
+        its f32 bytes) and decoded where the model reads it; in layers the model wraps in
+        ``nnx.remat`` the backward pass decodes it again from the packets instead of
+        keeping it (the bytes on the wire are the same). For accelerators: XLA:CPU drops
+        ``jax.checkpoint``'s barriers, so there it keeps the same memory
+        (docs/performance.md). Leaves also sharded over another mesh axis, and parameters
+        not in an NNX module, are decoded at the start.
 
     FSDP: a parameter whose spec shards one dimension over ``axis_name`` (GSPMD FSDP, as
     ``nnx.with_partitioning(init, (axis_name, None))`` or ``P(axis_name, None)`` writes it)
@@ -171,6 +184,7 @@ def value_and_grad(fun: Callable, *, mesh: Mesh, axis_name: str, argnums=0,
         ((256, 128), 65536.0)
     """
     policy = check_policy(policy)
+    check_choice("keep_for_backward", keep_for_backward, ("weights", "packets"))
     if axis_name not in mesh.axis_names:
         raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh, whose axes "
                          f"are {mesh.axis_names}")
@@ -180,6 +194,7 @@ def value_and_grad(fun: Callable, *, mesh: Mesh, axis_name: str, argnums=0,
     specs = (param_specs,) if single and param_specs is not None else param_specs
     settings = dict(fun=fun, mesh=mesh, axis_name=axis_name, positions=positions,
                     has_aux=has_aux, policy=policy, algorithm=algorithm, backend=backend,
+                    keep_for_backward=keep_for_backward,
                     weight_policy=(LayerPolicy(default=WEIGHT_CODEC) if weight_policy is None
                                    else check_policy(weight_policy, "weight_policy")))
 
@@ -193,6 +208,14 @@ def value_and_grad(fun: Callable, *, mesh: Mesh, axis_name: str, argnums=0,
                 f"(FSDP), whose compressed reduce-scatter has no error feedback (its residual "
                 f"would be the whole unsharded gradient on every device); drop "
                 f"error_feedback, or replicate them over {axis_name!r}")
+        plain = [i for i, by_path in call.fsdp_paths.items() if by_path and i not in call.graphs]
+        if keep_for_backward == "packets" and plain:
+            raise ValueError(
+                f"cgx.value_and_grad(..., keep_for_backward='packets') decodes FSDP weights "
+                f"where an NNX module reads them, but argument {plain[0]} is not an NNX module "
+                f"(its parameters {[call.paths[j] for j in call.fsdp_paths[plain[0]].values()]} "
+                f"are sharded over {axis_name!r}): pass the nnx.Module, or "
+                f"keep_for_backward='weights'")
         value, grads, states = _local_gradients(call, flat_args)
         for i, state in states.items():  # state a step changed (RNG counts, statistics)
             flax_compat.nnx().update(args[i], state)
@@ -261,6 +284,7 @@ class _Call:
     weight_codecs: list
     fsdp: dict
     fsdp_paths: dict
+    keep_for_backward: str
 
     @classmethod
     def of(cls, args, specs, key, **settings):
@@ -472,7 +496,10 @@ def _gathering_loss(call: _Call):
             if i in call.graphs:
                 graph, state = nnx().split(args[i])
                 modules[i] = args[i]
-                args[i] = nnx().merge(graph, _gather_fsdp_leaves(call, i, state))
+                at_use = call.keep_for_backward == "packets"
+                gathered = (_decoding_at_use(call, i, state) if at_use
+                            else _gather_fsdp_leaves(call, i, state))
+                args[i] = nnx().merge(graph, gathered)
             else:
                 args[i] = _gather_fsdp_leaves(call, i, args[i])
         out = call.loss(*args)
@@ -492,13 +519,46 @@ def _gather_fsdp_leaves(call: _Call, i: int, tree):
     by_path = call.fsdp_paths[i]
     flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
     leaves = [leaf for _, leaf in flat]
-    key = None if call.key is None else jax.random.fold_in(call.key, _GATHER_STREAM)
     for n, (path, shard) in enumerate(flat):
         j = by_path.get(jax.tree_util.keystr(path))
         if j is not None:
-            leaves[n] = _gather_fsdp_leaf(call, j, shard,
-                                          None if key is None else jax.random.fold_in(key, j))
+            leaves[n] = _gather_fsdp_leaf(call, j, shard, _gather_key(call, j))
     return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def _decoding_at_use(call: _Call, i: int, state):
+    """``state`` (an NNX module's, as it travelled) whose FSDP parameters sharded over the
+    data axis alone hold their shard and its gathered packets, and are decoded wherever the
+    model reads them (``flax_compat.decoded_at_use``); the others gathered as
+    ``_gather_fsdp_leaves`` gathers them."""
+    by_path = call.fsdp_paths[i]
+    flat = jax.tree_util.tree_flatten_with_path(state)[0]
+    variables, treedef = jax.tree_util.tree_flatten(state, is_leaf=flax_compat.is_variable)
+    for n, (path, shard) in enumerate(flat):
+        j = by_path.get(jax.tree_util.keystr(path))
+        if j is None:
+            continue
+        leaf_key = _gather_key(call, j)
+        if _axis_names(call.specs[j]) != [call.axis_name]:  # blocks: gathered at the start
+            variables[n] = variables[n].copy(_gather_fsdp_leaf(call, j, shard, leaf_key))
+            continue
+        settings, packets = start_gather(
+            [shard], [call.weight_codecs[j]], call.axis_name, key=leaf_key,
+            grad_codecs=[call.codecs[j]], backend=call.backend, paths=[call.paths[j]])
+        decode = functools.partial(_decode_one, settings, call.fsdp[j])
+        variables[n] = flax_compat.decoded_at_use((shard, packets, leaf_key), decode)
+    return jax.tree_util.tree_unflatten(treedef, variables)
+
+
+def _decode_one(settings, dim: int, shard, packets, key):
+    return finish_gather(settings, [shard], packets, key, axes=[dim], tiled=True)[0]
+
+
+def _gather_key(call: _Call, j: int):
+    """The noise key of FSDP leaf ``j``'s gather and of its gradient's reduce-scatter."""
+    if call.key is None:
+        return None
+    return jax.random.fold_in(jax.random.fold_in(call.key, _GATHER_STREAM), j)
 
 
 def _gather_fsdp_leaf(call: _Call, j: int, shard, key):

@@ -5,6 +5,7 @@ first (importing cgx_jax never pays for Flax, and works without it).
 
 from __future__ import annotations
 
+import functools
 import sys
 
 
@@ -40,3 +41,30 @@ def is_optimizer_or_state(value) -> bool:
     """An ``nnx.Optimizer`` or an ``nnx.State``: optimizer state whose every leaf is wrapped
     in a Variable."""
     return _isinstance(value, "Optimizer", "State")
+
+
+
+def decoded_at_use(value: tuple, decode):
+    """An ``nnx.Param`` that holds ``value`` (a tuple of arrays) and reads as
+    ``decode(*value)`` wherever the model reads it (``variable[...]``, ``.value``, ``.shape``,
+    ``jnp`` of it): a weight decoded where it is used, so that a layer under ``nnx.remat``
+    decodes it again in the backward pass instead of keeping it. A ``Variable`` subclass
+    overriding ``get_value``, as Flax asks instead of its deprecated hooks."""
+    return _decoded_param_type()(value, decode=decode)
+
+
+@functools.cache
+def _decoded_param_type():
+    class DecodedAtUse(nnx().Param):
+        """A parameter decoded from what it holds each time it is read."""
+
+        def get_value(self, **kwargs):
+            value = self.get_metadata()["decode"](*self.get_raw_value())
+            index = kwargs.get("index", ...)
+            return value if index is ... or type(index).__name__ == "Missing" else value[index]
+
+        def __getattr__(self, name: str):  # .dtype, .ndim, .T: the decoded array's
+            metadata = object.__getattribute__(self, "_var_metadata")
+            return metadata[name] if name in metadata else getattr(self.get_value(), name)
+
+    return DecodedAtUse

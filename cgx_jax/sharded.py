@@ -218,25 +218,49 @@ def gather_leaves(leaves, codecs, axis_name, *, axes, tiled: bool, key, grad_cod
         >>> f(jnp.ones((1, 4, 64)))[0].shape
         (1, 4, 64)
     """
+    settings, packets = start_gather(leaves, codecs, axis_name, key=key,
+                                     grad_codecs=grad_codecs, backend=backend, paths=paths)
+    return finish_gather(settings, leaves, packets, key, axes=axes, tiled=tiled)
+
+
+def start_gather(leaves, codecs, axis_name, *, key, grad_codecs, backend: str, paths):
+    """The first half of ``gather_leaves``: plans, checks that the processes agree, and
+    gathers the compressed leaves' packets. Returns ``(settings, packets)`` for
+    ``finish_gather``, which decodes them (``packets`` is None when nothing is compressed),
+    and may run later, where the weights are used (``cgx.value_and_grad``'s
+    ``keep_for_backward="packets"``)."""
     _need_key(codecs, key, paths, "compressed_all_gather's codec")
     plan = _agreed_plan(leaves, codecs, "allgather", axis_size(axis_name),
                         "compressed_all_gather")
-    out = [None] * len(leaves)
+    settings = _GatherSettings(axis_name, plan, backend, tuple(grad_codecs), tuple(paths))
     # Through the custom VJP: compressed leaves, and exact ones whose gradient is compressed
     # (the others are None there: no leaf of its pytree, no cotangent).
-    through = [leaf if i not in plan.exact or grad_codecs[i] is not None else None
-               for i, leaf in enumerate(leaves)]
-    for i in plan.exact:
+    through = _through(leaves, settings)
+    packets = (_gather_packets(through, key, settings)
+               if plan.segments and any(leaf is not None for leaf in through) else None)
+    return settings, packets
+
+
+def finish_gather(settings: _GatherSettings, leaves, packets, key, *, axes, tiled: bool):
+    """The second half of ``gather_leaves``: the gathered ``leaves``, the compressed ones
+    decoded from ``packets``, the exact ones gathered through ``lax.all_gather``."""
+    out = [None] * len(leaves)
+    through = _through(leaves, settings)
+    for i in settings.plan.exact:
         if through[i] is None:
-            out[i] = lax.all_gather(leaves[i], axis_name, axis=axes[i], tiled=tiled)
+            out[i] = lax.all_gather(leaves[i], settings.axis_name, axis=axes[i], tiled=tiled)
     if any(leaf is not None for leaf in through):
-        settings = _GatherSettings(axis_name, plan, backend, tuple(grad_codecs), tuple(paths))
-        packets = _gather_packets(through, key, settings) if plan.segments else None
         stacked = _decode_stacked(through, packets, key, settings)
         for i, rows in enumerate(stacked):
             if rows is not None:
                 out[i] = _place_rows(rows, axes[i], tiled)
     return out
+
+
+def _through(leaves, settings: _GatherSettings) -> list:
+    """The leaves that go through ``_decode_stacked`` (None for the others)."""
+    return [leaf if i not in settings.plan.exact or settings.grad_codecs[i] is not None
+            else None for i, leaf in enumerate(leaves)]
 
 
 def _gathered_shape(shape, axis: int, tiled: bool, num: int) -> tuple:

@@ -25,13 +25,13 @@ class MLP(nnx.Module):
         return self.linear2(nnx.relu(self.linear1(x)))
 
 
-def make_model(mesh, seed=0, sizes=(128, 2048, 128), kernel_axes=("fsdp", None)):
-    """The model created sharded as its annotations say, and its momentum (zeros, sharded
-    like the parameters)."""
+def make_model(mesh, seed=0, sizes=(128, 2048, 128), kernel_axes=("fsdp", None), cls=MLP):
+    """The model (``cls``, an ``MLP``) created sharded as its annotations say, and its
+    momentum (zeros, sharded like the parameters)."""
     with jax.set_mesh(mesh):
         @nnx.jit
         def create():
-            model = MLP(*sizes, rngs=nnx.Rngs(seed), kernel_axes=kernel_axes)
+            model = cls(*sizes, rngs=nnx.Rngs(seed), kernel_axes=kernel_axes)
             state = nnx.state(model)
             nnx.update(model, jax.lax.with_sharding_constraint(
                 state, nnx.get_partition_spec(state)))

@@ -318,3 +318,87 @@ def test_the_documented_nnx_step_runs_and_matches_nnx_on_explicit_axes():
     moments = nnx.state(cgx_run["optimizer"], nnx.OptState)["opt_state"][0]
     assert moments["mu"]["down"]["kernel"][...].sharding.spec == P("fsdp", None)
     assert int(cgx_run["optimizer"].step[...]) == 3
+
+
+class RematMLP(fs.MLP):
+    """The tutorial's MLP with each layer under ``nnx.remat``, the second reading its kernel
+    as ``get_value()`` (the first as ``[...]``, inside ``nnx.Linear``)."""
+
+    def __call__(self, x):
+        hidden = nnx.remat(lambda layer, x: nnx.relu(layer(x)))(self.linear1, x)
+        return nnx.remat(lambda layer, h: h @ layer.kernel.get_value() + layer.bias[...])(
+            self.linear2, hidden)
+
+
+@pytest.mark.parametrize("shape,names,kernel_axes", [
+    ((8,), ("fsdp",), ("fsdp", None)),
+    ((4, 2), ("fsdp", "model"), ("fsdp", "model"))])  # decoded at the start: blocks
+def test_keeping_packets_for_backward_gives_the_same_gradients(shape, names, kernel_axes):
+    """keep_for_backward='packets' (weights decoded where the layers read them) gives the
+    default's loss and gradients bit for bit (the same packets, keys and decoding), of
+    nnx.value_and_grad's types, structure and shardings, and leaves the module's parameters
+    as they were (plain nnx.Param, not the decoding ones)."""
+    mesh = fsdp_mesh(shape, names)
+    model, _ = fs.make_model(mesh, kernel_axes=kernel_axes, cls=RematMLP)
+    before = nnx.state(model, nnx.Param)
+    loss, grads = grads_of(mesh, model, True, step=3, keep_for_backward="packets")
+    want_loss, want = grads_of(mesh, model, True, step=3)
+    _, exact = grads_of(mesh, model, False, step=3)
+    assert_like_nnx(grads, exact, model)
+    assert float(loss) == float(want_loss)
+    for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(g, w)
+    assert max(relative_errors(grads, exact)) < 0.2
+    after = nnx.state(model, nnx.Param)
+    assert all(type(v) is nnx.Param for v in jax.tree.leaves(after, is_leaf=lambda v: isinstance(
+        v, nnx.Variable)))
+    for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(before)):
+        assert a is b
+
+
+def lowered_gradient_text(mesh, model, **options):
+    """The StableHLO of the cgx gradient of one batch, before XLA's optimizations."""
+    graph, state = nnx.split(model)
+
+    def grad(state, x, y, i):
+        loss_fn = lambda m, x, y: jnp.mean((m(x) - y) ** 2)  # noqa: E731
+        return cgx.value_and_grad(loss_fn, mesh=mesh, axis_name="fsdp", **options)(
+            nnx.merge(graph, state), x, y, step=i)
+
+    with jax.set_mesh(mesh):
+        x, y = fs.batch(mesh, 0)
+        return jax.jit(grad).lower(state, x, y, jnp.int32(0)).as_text()
+
+
+def test_kept_packets_are_decoded_again_in_the_backward_of_a_remat_layer():
+    """With 'packets' each kernel is decoded in the forward and again in its layer's
+    backward (two decodes per kernel in the program), from the packets gathered once (one
+    u8 all-gather per kernel, as with 'weights', which decodes each kernel once)."""
+    mesh = fsdp_mesh()
+    model, _ = fs.make_model(mesh, cls=RematMLP)
+    texts = {keep: lowered_gradient_text(mesh, model, keep_for_backward=keep)
+             for keep in ("weights", "packets")}
+    decodes = {k: t.count('custom_call @cgx_dequantize') for k, t in texts.items()}
+    gathers = {k: len(re.findall(r"all_gather.*tensor<8x\d+xui8>", t)) for k, t in texts.items()}
+    assert decodes == {"weights": 2, "packets": 4}, decodes
+    assert gathers == {"weights": 2, "packets": 2}, gathers
+
+
+def test_keep_for_backward_errors():
+    mesh = fsdp_mesh()
+    model, _ = fs.make_model(mesh)
+    with pytest.raises(ValueError, match=r"keep_for_backward must be one of \('weights', "
+                                         r"'packets'\), got 'decoded'"):
+        cgx.value_and_grad(lambda m, x: 0.0, mesh=mesh, axis_name="fsdp",
+                           keep_for_backward="decoded")
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    grad_fn = cgx.value_and_grad(lambda p, x: jnp.sum(x @ p["linear1"]["kernel"]), mesh=mesh,
+                                 axis_name="fsdp", keep_for_backward="packets",
+                                 param_specs={"linear1": {"kernel": P("fsdp", None),
+                                                          "bias": P()},
+                                              "linear2": {"kernel": P("fsdp", None),
+                                                          "bias": P()}})
+    with pytest.raises(ValueError, match=r"argument 0 is not an NNX module \(its parameters "
+                                         r"\['linear1/kernel', 'linear2/kernel'\]"):
+        with jax.set_mesh(mesh):
+            grad_fn(params, fs.batch(mesh, 0)[0], step=jnp.int32(0))
