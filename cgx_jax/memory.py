@@ -1,29 +1,21 @@
-"""Host memory reuse for XLA:CPU processes (docs/design.md section 5).
+"""Host memory reuse for XLA:CPU processes (docs/design.md section 5 has the measurements).
 
 XLA:CPU allocates every output and temporary buffer of a computation with ``malloc`` and
 frees it afterwards. glibc serves blocks above its mmap threshold (at most 32 MiB by
-default) with a fresh ``mmap``, so a training step whose gradients or fused buffers exceed
-it page-faults and zeroes every page of them again on every call: a 16M-value f32
-all-reduce result alone is 16,384 page faults per call, about 80 ms of a 270 ms compressed
-all-reduce measured across 4 processes on 2 cores. Raising the mmap and trim thresholds
-keeps freed blocks in the process, so the next step reuses warm pages.
+default) with a fresh ``mmap``, so a step whose gradients or fused buffers exceed it
+page-faults and zeroes every page of them again on every call. Raising the mmap and trim
+thresholds keeps freed blocks in the process, so the next step reuses warm pages. XLA's
+worker threads allocate from glibc's per-thread arenas, whose heaps are too small for such
+blocks; one arena for the whole process fixes that for threads that have not allocated yet
+(so before JAX starts its backend), at the cost of one allocator lock for all threads.
 
-That reaches only the main heap. XLA's worker threads allocate from glibc's per-thread
-arenas, whose heaps hold at most 64 MiB, so their larger blocks are mapped afresh every
-call whatever the thresholds; one arena for the whole process fixes that, but only for
-threads that have not allocated yet (so before JAX starts its backend), and it makes every
-thread take one allocator lock: in a process simulating 8 devices, the example ViT's small
-steps ran 2x slower with it. So the arena limit is applied only by
-``cgx_jax.launch.initialize`` (which runs before JAX starts) in a process with one CPU
-device, the data-parallel layout across processes, where it measured faster.
-
-The library applies the thresholds itself, once per process: when its kernels are first
-registered on the CPU backend (``backends/ffi.py``), and in ``launch.initialize``. It only
-changes where blocks come from and when freed memory goes back to the system: the peak
-stays what the program needs, and the process keeps up to ``threshold`` bytes of freed
-blocks instead of unmapping them. Set the environment variable
-``CGX_JAX_KEEP_FREED_MEMORY=0`` to keep glibc's defaults. Nothing happens off Linux/glibc or
-on GPU and TPU backends, whose large buffers are not host ``malloc`` blocks.
+``cgx_jax.launch.initialize`` applies the thresholds, and the arena limit where the process
+has one CPU device (the data-parallel layout across processes). Elsewhere it is the user's
+choice: ``cgx.keep_freed_memory()`` before the first step. Importing cgx_jax or registering
+its kernels changes nothing in the process. The peak stays what the program needs; the
+process keeps up to ``threshold`` bytes of freed blocks instead of unmapping them.
+``CGX_JAX_KEEP_FREED_MEMORY=0`` makes it a no-op. Nothing happens off Linux/glibc or on GPU
+and TPU backends, whose large buffers are not host ``malloc`` blocks.
 """
 
 from __future__ import annotations

@@ -184,3 +184,18 @@ def test_ties_round_up_in_both_backends(bits):
     decoded = dequantize(want, codec, size, F32)[0]  # row 0: unit 1, min 0, so value = level
     expected = np.resize(np.concatenate([[0.0, top], np.arange(1, top + 1)]), size)
     np.testing.assert_array_equal(decoded, expected)  # each half level went up
+
+
+def test_both_backends_have_the_same_signatures():
+    """The callers use either module through get_backend: the same names, parameters and
+    defaults (a parameter added to one only would be a TypeError on the other backend)."""
+    import inspect
+
+    from cgx_jax.backends import ffi, pure_jax
+
+    def parameters(function):
+        return [(p.name, p.kind, p.default)
+                for p in inspect.signature(function).parameters.values()]
+
+    for name in ("quantize_rows", "dequantize_rows", "reduce_requantize"):
+        assert parameters(getattr(ffi, name)) == parameters(getattr(pure_jax, name)), name

@@ -1,8 +1,9 @@
-"""memory.py (docs/design.md section 5): a process that uses compressed collectives on the CPU
-reuses freed host blocks instead of page-faulting fresh mappings every step, and
-CGX_JAX_KEEP_FREED_MEMORY=0 keeps glibc's defaults. Checked in fresh processes by counting
-the page faults of touching a 64 MiB block malloc'd again after a free (what XLA:CPU does
-with a large output buffer every call)."""
+"""memory.py (docs/design.md section 5): a process that opts in (``cgx.keep_freed_memory()``,
+as ``launch.initialize`` does) reuses freed host blocks instead of page-faulting fresh
+mappings every step; CGX_JAX_KEEP_FREED_MEMORY=0 keeps glibc's defaults; using the
+compressed collectives alone changes nothing in the process. Checked in fresh processes by
+counting the page faults of touching a 64 MiB block malloc'd again after a free (what
+XLA:CPU does with a large output buffer every call)."""
 
 import os
 import subprocess
@@ -18,7 +19,9 @@ SCRIPT = textwrap.dedent("""
     import cgx_jax, jax, jax.numpy as jnp
     from jax.sharding import Mesh, PartitionSpec as P
     import numpy as np
-    # One compressed collective, traced as in training: the library applies its setting.
+    if OPT_IN:
+        cgx_jax.keep_freed_memory()
+    # One compressed collective, traced and run as in training.
     mesh = Mesh(np.array(jax.devices()[:1]), ("d",))
     f = jax.jit(jax.shard_map(lambda x: cgx_jax.compressed_psum(
         x, "d", codec=cgx_jax.Codec(rounding="nearest")), mesh=mesh, in_specs=P("d"),
@@ -53,10 +56,12 @@ def faults_of_last_call(script, setting, **variables):
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc only")
-def test_freed_blocks_are_reused_unless_opted_out():
+def test_freed_blocks_are_reused_where_asked_and_only_there():
     pages = (64 << 20) // os.sysconf("SC_PAGE_SIZE")
-    assert faults_of_last_call(SCRIPT, None) < pages // 100  # warm pages: next to no faults
-    assert faults_of_last_call(SCRIPT, "0") > pages // 2  # glibc's fresh mmap: every page
+    opted_in, left_alone = "OPT_IN = True\n" + SCRIPT, "OPT_IN = False\n" + SCRIPT
+    assert faults_of_last_call(opted_in, None) < pages // 100  # warm pages: next to no faults
+    assert faults_of_last_call(opted_in, "0") > pages // 2  # glibc's fresh mmap: every page
+    assert faults_of_last_call(left_alone, None) > pages // 2  # the kernels set nothing
 
 
 WORKER_THREAD = textwrap.dedent("""

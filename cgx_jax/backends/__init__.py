@@ -1,14 +1,10 @@
-"""The codec's three operations, in two implementations with one contract
-(docs/design.md section 3):
-
-- ``quantize_rows(x [rows, n], seed, codec, skip_row=None) -> uint8 [rows, P]``
-- ``dequantize_rows(packets [rows, P], codec, n, dtype) -> [rows, n]``
-- ``reduce_requantize(peers [N, P], own, own_index, seed, codec, n, *, emit_packet=True,
-  emit_sum=False) -> (packet or None, f32 sum or None)``
-
-``"ffi"`` (``cgx_jax.backends.ffi``): the C++/CUDA kernels as XLA FFI custom calls.
-``"jax"`` (``cgx_jax.backends.pure_jax``): the same format in ``jax.numpy``, for TPU or
-builds without kernels. Rows are whole buckets; padding belongs to the callers.
+"""The codec's three operations, ``quantize_rows``, ``dequantize_rows`` and
+``reduce_requantize``, in two implementations with one contract (docs/design.md section 3):
+``"ffi"`` (``cgx_jax.backends.ffi``, whose docstrings state it): the C++/CUDA kernels as XLA
+FFI custom calls; ``"jax"`` (``cgx_jax.backends.pure_jax``): the same format in
+``jax.numpy``, for TPU or builds without kernels, with the same signatures
+(tests/test_backends_pure_jax.py compares them). Rows are whole buckets; padding belongs to the
+callers.
 """
 
 from __future__ import annotations

@@ -19,7 +19,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from cgx_jax.codec import Codec, packet_bytes
-from cgx_jax.memory import keep_freed_memory_on_cpu
 
 TARGETS = ("cgx_quantize", "cgx_dequantize", "cgx_reduce_requantize")
 
@@ -111,11 +110,9 @@ def check_cuda_versions(module) -> None:
 @functools.cache
 def _register() -> None:
     """Registers the targets once, on first use: "cpu" always, "CUDA" when JAX has a GPU.
-    On the CPU backend it also keeps freed host memory for reuse (``cgx_jax.memory``): the
-    library's one process-wide setting, made where its kernels are first set up."""
+    Nothing else: no process-wide setting (host memory reuse is ``launch.initialize``'s and
+    ``cgx.keep_freed_memory``'s, docs/design.md section 5)."""
     from cgx_jax import _cgx_cpu
-
-    keep_freed_memory_on_cpu()
 
     check_ffi_api_version(_cgx_cpu)
     for name, capsule in _cgx_cpu.registrations().items():

@@ -125,7 +125,7 @@ def main(argv=None) -> int:
         if os.environ.get("CGX_JAX_CPU_ISA") != args.isa:  # chosen at the first kernel call
             return _run_each_variant(argv if argv is not None else sys.argv[1:], [args.isa])
 
-    keep_freed_memory_on_cpu()  # what the library applies in a process using it
+    keep_freed_memory_on_cpu()  # as launch.initialize applies it in a launched process
     device = jax.devices(args.platform)[0] if args.platform else jax.devices()[0]
     sizes = [s - s % (1024 * args.peers) for s in args.sizes]
     rows = kernel_rows(sizes, args.bits, args.peers, args.repeats, device, args.rounding)
