@@ -50,8 +50,8 @@ def group_by_codec(leaves, codecs) -> tuple[dict[Codec, list[int]], list[int]]:
 # within the last one (the kernels read the missing values as the leaf's last, and write
 # only the values the leaf has). They then read the leaf and write its result in place
 # (reshapes, no copies). Packing it with other leaves would copy it into the fused buffer
-# and its result back out: for the 10M-value kernels of an MLP (4 processes, 1 Gbit/s) those
-# copies made the pytree 1.5x slower than the same values as one array. Small leaves are
+# and its result back out, which made a large MLP's pytree markedly slower than the same
+# values as one array (docs/design.md section 6 has the measurement). Small leaves are
 # packed so that a model's many small leaves do not cost three kernel calls each.
 OWN_SEGMENT_MIN_VALUES = 1 << 18
 
@@ -166,10 +166,9 @@ def unpack(buf, shapes, bucket_size: int) -> list:
 
 # Exact leaves below this many values share a buffer where that pays (exact_fusion_pays).
 # XLA:CPU runs an all-reduce of many operands across processes as one Gloo collective per
-# operand, each paying the link's latency: the 54 biases and norms of a ViT (47K values)
-# took 428 ms as 54 operands and 12 ms as one buffer across 4 processes at 1 Gbit/s. Larger
-# leaves go as they are: their copy in and out would cost more than the one latency they
-# save.
+# operand, each paying the link's latency, so a model's many biases and norms cost far more
+# as operands than as one buffer (docs/performance.md measures a ViT's). Larger leaves go as
+# they are: their copy in and out would cost more than the one latency they save.
 EXACT_FUSE_MAX_VALUES = 1 << 20
 
 

@@ -65,7 +65,7 @@ def phase_seeds(key, group_number: int, participant, segments: int, phases: int)
         return seed_bits(jax.random.fold_in(jax.random.fold_in(key, segment), phase))
 
     # One batched hash per level instead of one per segment and phase: the same bits, but a
-    # model's 50 segments no longer unroll into hundreds of hashes (on the CPU, a ViT-S
-    # gradient tree compiled in 6.8 s that way, 0.5 s with nearest rounding).
+    # model's 50 segments no longer unroll into hundreds of hashes, which made compiling a
+    # ViT's step slow (docs/design.md section 6).
     return jax.vmap(lambda s: jax.vmap(lambda p: seed(s, p))(jnp.arange(phases)))(
         jnp.arange(segments))

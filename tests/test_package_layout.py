@@ -1,5 +1,5 @@
-"""The package's shape (docs/design.md section 1): no import cycle, every module in the
-package map importing only modules listed above it, no module reaching into another
+"""The package's shape (docs/design.md section 1): no import cycle, every module importing
+only modules of its layer or below (``LAYERS``), no module reaching into another
 module's ``_private`` names, ``jax._src`` and Flax each in one module only, and every design
 reference pointing at the document inside the repository."""
 
@@ -64,47 +64,42 @@ def test_there_is_no_import_cycle():
             visit(name, [])
 
 
-def package_map() -> list[list[str]]:
-    """The rows of docs/design.md's package map, top to bottom: the files (``codec.py``) and
-    packages (``backends/``) each row names in its first cell."""
-    section = (ROOT / "docs" / "design.md").read_text().split("### The package map", 1)[1]
-    rows = []
-    for line in section.splitlines():
-        if line.startswith("| `"):
-            rows.append(re.findall(r"`([\w/.]+)`", line.split("|")[1]))
-        elif rows and not line.startswith("|"):
-            return rows
-    return rows
+# The layering, bottom first (docs/design.md's package map describes each): a module imports
+# only modules of its own row or of rows above it. A new module gets its row here.
+LAYERS = [
+    ["codec"], ["axes"], ["validation"], ["flax_compat"], ["trees"], ["seeds"], ["memory"],
+    ["backends"], ["collectives"], ["vma"], ["fusion"], ["policy"], ["planner"],
+    ["consistency"], ["reduction"], ["api"], ["sharded"], ["data_parallel"], ["adaptive"],
+    ["optax_transform"], ["launch", "launch_child", "launch_site", "netem"], ["bench"],
+]
 
 
-def map_row(name: str, rows) -> int | None:
-    """The row of module ``name`` in the package map (``None`` for the package itself)."""
+def layer(name: str) -> int | None:
+    """The row of module ``name`` in ``LAYERS`` (``None`` for the package itself)."""
     parts = name.split(".")[1:]
     if not parts:
         return None
-    entry = parts[0] + ("/" if (PACKAGE / parts[0]).is_dir() else ".py")
-    found = [i for i, row in enumerate(rows) if entry in row]
-    assert found, f"{name} ({entry}) is not in docs/design.md's package map"
+    found = [i for i, row in enumerate(LAYERS) if parts[0] in row]
+    assert found, f"{name} has no row in LAYERS (tests/test_package_layout.py)"
     return found[0]
 
 
-def test_modules_import_only_what_the_package_map_lists_above_them():
-    rows = package_map()
+def test_modules_import_only_what_the_layers_list_above_them():
     for name in MODULES:
-        row = map_row(name, rows)
+        row = layer(name)
         for dep in package_dependencies(name):
-            dep_row = map_row(dep, rows)
+            dep_row = layer(dep)
             assert row is None or dep_row is None or dep_row <= row, (
-                f"{name} imports {dep}, listed below it in docs/design.md's package map")
+                f"{name} imports {dep}, listed below it in LAYERS")
 
 
-def test_the_package_map_check_finds_an_upward_import(monkeypatch):
+def test_the_layer_check_finds_an_upward_import(monkeypatch):
     real = package_dependencies
     monkeypatch.setitem(globals(), "package_dependencies",
                         lambda name: real(name) | ({"cgx_jax.api"} if name == "cgx_jax.codec"
                                                    else set()))
     with pytest.raises(AssertionError, match="cgx_jax.codec imports cgx_jax.api"):
-        test_modules_import_only_what_the_package_map_lists_above_them()
+        test_modules_import_only_what_the_layers_list_above_them()
 
 
 def test_the_cycle_check_finds_a_cycle(monkeypatch):

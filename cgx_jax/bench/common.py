@@ -91,7 +91,7 @@ def median_seconds(fn, repeats: int, calls: int = 1, warmup: int = 3) -> float:
         times.append((time.perf_counter() - start) / calls)
         # Freed before the next run, as a loop that consumes its results frees them: two
         # large outputs alive at once make glibc alternate between fresh mappings, and the
-        # page faults (up to 25 ms for a 64 MB output here) would be timed as the kernel's.
+        # page faults of a large output would be timed as the kernel's.
         del out
     return statistics.median(times)
 

@@ -33,7 +33,7 @@ def _copy_seconds(x, repeats: int, calls: int) -> float:
         host = np.asarray(x)
         # The destination at the source's offset within a 4 KiB page: two heap blocks a few
         # bytes apart modulo 4 KiB make the CPU stall loads behind unrelated stores (4K
-        # aliasing; 256 MiB copied in 61 ms against 17 ms here), which would flatter the ratios.
+        # aliasing, docs/design.md section 5), which would flatter the ratios.
         room = np.empty(host.nbytes + 4096, np.uint8)
         start = (host.ctypes.data - room.ctypes.data) % 4096
         dst = room[start:start + host.nbytes].view(host.dtype).reshape(host.shape)

@@ -19,13 +19,9 @@ from cgx_jax.collectives.jax_compat import gather_invariant
 # its receive, so the first one can only start sending once that message has crossed:
 # the two directions of the link take turns. Splitting such a swap into several
 # collectives lets the directions overlap again (each process moves on to the next piece
-# while its last one is still in the socket buffer). Measured on 1 Gbit/s links: 4
-# processes exchanging 2 MiB per peer, all_to_all 78-85 ms, shift rounds 72 ms, with the
-# swap round in 4 pieces 56 ms (50 ms ideal; a later re-run put every variant at 60-70 ms,
-# docs/performance.md); 2 processes gathering 8 MiB, one all_gather 100-104 ms, 4 pieces
-# 80 ms, 8 pieces 72 ms (67 ms ideal). Each extra collective costs about 1 ms where the
-# link is fast (10 Gbit/s: the 8 MiB gather took 10-15 ms whole, 24 ms in 8 pieces), so
-# pieces stay at least SWAP_PIECE_BYTES and at most MAX_SWAP_PIECES.
+# while its last one is still in the socket buffer; docs/performance.md measures it on 1
+# and 10 Gbit/s links). Each extra collective costs about a millisecond where the link is
+# fast, so pieces stay at least SWAP_PIECE_BYTES and at most MAX_SWAP_PIECES.
 SWAP_PIECE_BYTES = 512 * 1024
 MAX_SWAP_PIECES = 4
 
