@@ -1,5 +1,8 @@
 """The one place cgx_jax uses JAX internals (``jax._src``), so a JAX upgrade that moves them
-breaks this file only (docs/design.md section 1)."""
+breaks this file only (docs/design.md section 1). Each has a public-API fallback where one
+exists (``gather_invariant``: a ``psum``; the CUDA runtime version: not checked) and a clear
+``RuntimeError`` where none does (``distributed_client``); tests/test_jax_internals.py fails
+loudly on a JAX that moved any of them."""
 
 from __future__ import annotations
 
@@ -55,17 +58,31 @@ def gather_invariant(x, axis_name, *, tiled=False):
 
 def distributed_client():
     """This process's ``jax.distributed`` client (its key-value store), ``None`` before
-    ``jax.distributed.initialize``."""
-    from jax._src import distributed
-    return distributed.global_state.client
+    ``jax.distributed.initialize``. JAX has no public accessor; a JAX that keeps it elsewhere
+    gets a ``RuntimeError`` saying so, never a skipped check."""
+    try:
+        from jax._src import distributed
+        return distributed.global_state.client
+    except (ImportError, AttributeError) as error:
+        raise RuntimeError(_moved("jax._src.distributed.global_state.client",
+                                  "checks that the processes agree")) from error
 
 
 def jax_cuda_runtime_version() -> int | None:
     """The CUDA runtime version of JAX's CUDA plugin (``1000 * major + 10 * minor``), ``None``
-    where no CUDA plugin is installed or it does not say."""
-    from jax._src import lib
+    where no CUDA plugin is installed, or it does not say (then only the driver is checked)."""
+    try:
+        from jax._src import lib
+    except ImportError:
+        return None
     versions = getattr(lib, "cuda_versions", None)
     try:
         return int(versions.cuda_runtime_get_version())
     except Exception:  # no plugin (None), or a plugin without the call, or no CUDA runtime
         return None
+
+
+def _moved(name: str, use: str) -> str:
+    return (f"cgx_jax {use} through the JAX internal {name}, which jax {jax.__version__} does "
+            f"not have. Install a jax that cgx_jax's tests pass under (pyproject.toml's "
+            f"range; tests/test_jax_internals.py checks each internal it uses), or report it.")

@@ -49,7 +49,15 @@ def _add_launcher_cluster(clusters) -> None:
         def get_local_process_id(cls):
             return None  # every rank sees its own simulated CPU devices
 
-    registered = clusters.ClusterEnv._cluster_types
+    registered = getattr(clusters.ClusterEnv, "_cluster_types", None)
+    if not isinstance(registered, list) or CgxJaxLaunch not in registered:
+        # A JAX that registers clusters another way: say so, and let launch.initialize()
+        # (which passes the process ids itself) be the way in.
+        sys.stderr.write(
+            "cgx_jax.launch: this jax registers its clusters differently, so a bare "
+            "jax.distributed.initialize() cannot find the launcher's processes; call "
+            "cgx_jax.launch.initialize() instead (tests/test_jax_internals.py)\n")
+        return
     registered.insert(0, registered.pop(registered.index(CgxJaxLaunch)))
 
 
