@@ -6,23 +6,23 @@ on GPU), moved only by XLA's own collectives. The design, module by module, is
 docs/design.md.
 """
 
-from cgx_jax.adaptive import AdaptiveConfig, ErrorTable, fit_policy, layer_errors, refit_policy
-from cgx_jax.api import compressed_pmean, compressed_psum, dequantize, quantize
-from cgx_jax.backends.ffi import has_cuda_support
-from cgx_jax.codec import Codec, packet_bytes, wire_bytes
-from cgx_jax.consistency import ProcessesDisagreeError
-from cgx_jax.data_parallel import init_residual, value_and_grad
-from cgx_jax.memory import keep_freed_memory
-from cgx_jax.optax_transform import (
+from cgx_jax._src.adaptive import AdaptiveConfig, ErrorTable, fit_policy, layer_errors, refit_policy
+from cgx_jax._src.api import compressed_pmean, compressed_psum, dequantize, quantize
+from cgx_jax._src.backends.ffi import has_cuda_support
+from cgx_jax._src.codec import Codec, packet_bytes, wire_bytes
+from cgx_jax._src.consistency import ProcessesDisagreeError
+from cgx_jax._src.data_parallel import init_residual, value_and_grad
+from cgx_jax._src.memory import keep_freed_memory
+from cgx_jax._src.optax_transform import (
     CompressedAllReduceState,
     compressed_allreduce,
     shard_state,
     state_specs,
 )
-from cgx_jax.planner import LinkProfile, estimate
-from cgx_jax.policy import LayerPolicy, leaf_paths, summary, tree_wire_bytes
-from cgx_jax.sharded import compressed_all_gather, compressed_psum_scatter
-from cgx_jax.vma import local_value_and_grad
+from cgx_jax._src.planner import LinkProfile, estimate
+from cgx_jax._src.policy import LayerPolicy, leaf_paths, summary, tree_wire_bytes
+from cgx_jax._src.sharded import compressed_all_gather, compressed_psum_scatter
+from cgx_jax._src.vma import local_value_and_grad
 
 __version__ = "0.1.0"
 

@@ -41,7 +41,7 @@ through ``cgx_jax.launch_child``, which has Linux SIGKILL it when the launcher e
 launcher killed with SIGKILL takes its processes with it.
 
 ``--link RATE`` (``1gbit``, ``100mbit``, ...; root only) runs each process in its own network
-namespace joined to the others by a link of that rate (``cgx_jax.netem``; the coordinator
+namespace joined to the others by a link of that rate (``cgx_jax._src.netem``; the coordinator
 listens on rank 0's address there) and removes the namespaces afterwards, also on failure
 and interruption. Without root, or where namespaces cannot be made, it says so and runs
 unshaped on loopback.
@@ -73,7 +73,7 @@ import sys
 import threading
 import time
 
-from cgx_jax import netem
+from cgx_jax._src import netem
 
 ENV_COORDINATOR = "CGX_JAX_COORDINATOR"
 ENV_NUM_PROCESSES = "CGX_JAX_NUM_PROCESSES"
@@ -143,7 +143,7 @@ def initialize(exit_on_exception: bool | None = None,
     """
     import jax
 
-    from cgx_jax.memory import keep_freed_memory_before_jax_starts, keep_freed_memory_on_cpu
+    from cgx_jax._src.memory import keep_freed_memory_before_jax_starts, keep_freed_memory_on_cpu
 
     keep_freed_memory_before_jax_starts()  # the one moment that reaches XLA's threads
     # Without this, CPU computations that span processes fail ("no cross-process
@@ -166,7 +166,7 @@ def initialize(exit_on_exception: bool | None = None,
             process_id=int(os.environ[ENV_PROCESS_ID]), **heartbeat)
     else:
         jax.distributed.initialize(**heartbeat)
-    keep_freed_memory_on_cpu()  # as a compressed collective would (cgx_jax/memory.py)
+    keep_freed_memory_on_cpu()  # as a compressed collective would (cgx_jax/_src/memory.py)
     return jax.process_index(), jax.process_count()
 
 
@@ -291,7 +291,7 @@ def launch(command, num_processes: int, devices_per_process: int = 1, *,
            heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT, max_restarts: int = 0) -> int:
     """Runs ``command`` (a list) as ``num_processes`` processes; returns the exit code the
     launcher exits with (0 when every process exited 0). ``link``: a tc rate such as
-    ``"1gbit"`` to run them on an emulated network (``cgx_jax.netem``), ``None`` or
+    ``"1gbit"`` to run them on an emulated network (``cgx_jax._src.netem``), ``None`` or
     ``"none"`` for loopback. ``heartbeat_timeout``: passed to every process's
     ``initialize()``. ``max_restarts``: after a rank fails, stop all and start all again,
     up to this many times (``restart_count()`` tells the processes which attempt they are;

@@ -13,8 +13,8 @@ import numpy as np
 import numpy_model as model
 from jax.sharding import Mesh, PartitionSpec as P
 
-from cgx_jax.backends import ffi, pure_jax
-from cgx_jax.codec import Codec
+from cgx_jax._src.backends import ffi, pure_jax
+from cgx_jax._src.codec import Codec
 
 # ---------------------------------------------------------------------------
 # Meshes and sharded runs

@@ -27,7 +27,7 @@ ALGORITHMS = ("sra", "allgather", "ring")
 def inputs(num_devices: int):
     """The same per-device inputs in every process: floats of mixed scales, a bf16 leaf,
     an integer leaf (reduced exactly) and a matrix large enough to be a segment of its own
-    (cgx_jax/fusion.py)."""
+    (cgx_jax/_src/fusion.py)."""
     rng = np.random.default_rng(1234 + num_devices)
     x = rng.normal(size=(num_devices, LENGTH)).astype(np.float32)
     x[:, 200:500] *= 30.0
@@ -241,7 +241,7 @@ def disagree(out_dir: str, rank: int, devices, mode: str) -> None:
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     import cgx_jax as cgx
-    from cgx_jax import consistency
+    from cgx_jax._src import consistency
 
     mesh = flat_mesh(devices)
     x = jax.make_array_from_callback(
@@ -327,7 +327,7 @@ def main(out_dir: str, mode: str) -> None:
             json.dump(digests, f)
         print(f"process {rank}: wrote {len(digests)} digests", flush=True)
         return
-    from cgx_jax import fusion
+    from cgx_jax._src import fusion
     # Across CPU processes small exact leaves share one all-reduce operand (one latency).
     assert fusion.exact_fusion_pays(), "exact leaves are not fused across CPU processes"
     results = dict(compute(flat_mesh(devices), False))

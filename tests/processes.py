@@ -12,7 +12,7 @@ import multiprocess_worker as worker
 import numpy as np
 import pytest
 
-from cgx_jax import netem
+from cgx_jax._src import netem
 
 # ---------------------------------------------------------------------------
 # Real processes: python -m cgx_jax.launch running multiprocess_worker.py

@@ -13,7 +13,7 @@ import pytest
 from models import NUM_DEVICES, LinenBlock, init_params, loss_fn, replicate, tail_loss, teacher_data
 
 import cgx_jax as cgx
-from cgx_jax.adaptive.fit import knapsack
+from cgx_jax._src.adaptive.fit import knapsack
 
 CPU = jax.devices("cpu")
 

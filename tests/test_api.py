@@ -31,7 +31,7 @@ from helpers import (
 from jax.sharding import PartitionSpec as P
 
 import cgx_jax as cgx
-from cgx_jax.codec import packet_bytes, wire_bytes
+from cgx_jax._src.codec import packet_bytes, wire_bytes
 
 CPU = jax.devices("cpu")
 NEAREST = cgx.Codec(bits=4, bucket_size=64, rounding="nearest")

@@ -20,8 +20,8 @@ import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
 import cgx_jax as cgx
-from cgx_jax.backends import ffi
-from cgx_jax.codec import Codec, packet_bytes
+from cgx_jax._src.backends import ffi
+from cgx_jax._src.codec import Codec, packet_bytes
 
 
 def _gpu_devices():

@@ -39,8 +39,8 @@ from helpers import (
     with_specials,
 )
 
-from cgx_jax.backends import ffi, pure_jax
-from cgx_jax.codec import packet_bytes
+from cgx_jax._src.backends import ffi, pure_jax
+from cgx_jax._src.codec import packet_bytes
 
 pytestmark = pytest.mark.usefixtures("cpu_default_device")
 

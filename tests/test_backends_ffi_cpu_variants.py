@@ -15,8 +15,8 @@ import pytest
 SCRIPT = textwrap.dedent("""
     import hashlib, jax, jax.numpy as jnp, numpy as np
     from cgx_jax import _cgx_cpu
-    from cgx_jax.backends import ffi
-    from cgx_jax.codec import Codec
+    from cgx_jax._src.backends import ffi
+    from cgx_jax._src.codec import Codec
     import numpy_model as model
     from helpers import as_dtype, assert_bytes_equal, assert_same_floats, model_decoded
     rng = np.random.default_rng(0)

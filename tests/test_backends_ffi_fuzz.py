@@ -10,7 +10,7 @@ import numpy as np
 import numpy_model as model
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from cgx_jax.backends import ffi
+from cgx_jax._src.backends import ffi
 
 CPU = jax.devices("cpu")[0]
 SETTINGS = settings(max_examples=60, deadline=None,

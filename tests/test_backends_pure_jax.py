@@ -31,7 +31,7 @@ from helpers import (
 )
 
 import cgx_jax as cgx
-from cgx_jax.backends import ffi, pure_jax
+from cgx_jax._src.backends import ffi, pure_jax
 
 pytestmark = pytest.mark.usefixtures("cpu_default_device")
 
@@ -191,7 +191,7 @@ def test_both_backends_have_the_same_signatures():
     defaults (a parameter added to one only would be a TypeError on the other backend)."""
     import inspect
 
-    from cgx_jax.backends import ffi, pure_jax
+    from cgx_jax._src.backends import ffi, pure_jax
 
     def parameters(function):
         return [(p.name, p.kind, p.default)

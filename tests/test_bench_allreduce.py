@@ -14,7 +14,7 @@ import time
 import pytest
 from processes import NETNS_PREFIX, NETNS_SUBNET, needs_netns, own_namespaces
 
-from cgx_jax import netem
+from cgx_jax._src import netem
 from cgx_jax.bench import allreduce
 from cgx_jax.bench.common import parse_size, size_label
 

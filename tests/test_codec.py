@@ -5,7 +5,7 @@ doctests and through the packets the kernels and the public quantize write
 
 import pytest
 
-from cgx_jax.codec import Codec
+from cgx_jax._src.codec import Codec
 
 
 @pytest.mark.parametrize("kwargs,name", [

@@ -17,7 +17,7 @@ from helpers import run_2d, run_sharded
 from jax import lax
 
 import cgx_jax as cgx
-from cgx_jax.api import reduce_tree_with_loss
+from cgx_jax._src.api import reduce_tree_with_loss
 
 # ---------------------------------------------------------------------------
 # Error bounds

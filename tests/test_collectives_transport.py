@@ -17,8 +17,8 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import cgx_jax as cgx
-from cgx_jax.collectives import jax_compat
-from cgx_jax.collectives.transport import SWAP_PIECE_BYTES, exchange_rows, gather_packets
+from cgx_jax._src.collectives import jax_compat
+from cgx_jax._src.collectives.transport import SWAP_PIECE_BYTES, exchange_rows, gather_packets
 
 
 @pytest.mark.parametrize("num_devices", [1, 2, 3, 4, 8])

@@ -1,4 +1,4 @@
-"""cgx.value_and_grad (cgx_jax/data_parallel.py, docs/design.md section 6): compressed
+"""cgx.value_and_grad (cgx_jax/_src/data_parallel.py, docs/design.md section 6): compressed
 data-parallel gradients from inside plain jax.jit / nnx.jit, on 1-D and 2-D (data x model)
 meshes, with replicated and model-sharded parameters."""
 
@@ -14,7 +14,7 @@ from flax import nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import cgx_jax as cgx
-from cgx_jax.vma import local_value_and_grad
+from cgx_jax._src.vma import local_value_and_grad
 
 AUTO = (AxisType.Auto, AxisType.Auto)
 CODEC8 = cgx.Codec(bits=8, bucket_size=256, rounding="nearest")

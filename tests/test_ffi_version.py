@@ -9,7 +9,7 @@ import jaxlib
 import pytest
 
 from cgx_jax import _cgx_cpu
-from cgx_jax.backends import ffi
+from cgx_jax._src.backends import ffi
 
 # FFI API versions of released jaxlibs, read from the c_api.h each wheel ships.
 KNOWN = {"0.7.0": (0, 1), "0.7.2": (0, 1), "0.9.0": (0, 2), "0.10.2": (0, 3)}
@@ -83,7 +83,7 @@ def _cuda_module(runtime, driver):
 ])
 def test_the_cuda_module_is_checked_against_jax_and_the_driver(monkeypatch, runtime, driver,
                                                                jax_runtime, refused):
-    from cgx_jax.collectives import jax_compat
+    from cgx_jax._src.collectives import jax_compat
     monkeypatch.setattr(jax_compat, "jax_cuda_runtime_version", lambda: jax_runtime)
     module = _cuda_module(runtime, driver)
     if refused is None:
@@ -97,7 +97,7 @@ def test_the_cuda_module_is_checked_against_jax_and_the_driver(monkeypatch, runt
 
 
 def test_registration_on_a_gpu_refuses_a_cuda_module_of_another_major(monkeypatch):
-    from cgx_jax.collectives import jax_compat
+    from cgx_jax._src.collectives import jax_compat
     monkeypatch.setattr(jax_compat, "jax_cuda_runtime_version", lambda: 12080)
     monkeypatch.setattr(ffi, "_jax_has_gpu", lambda: True)
     monkeypatch.setattr(ffi, "_import_cuda_module", lambda: _cuda_module(13000, 13000))

@@ -1,4 +1,4 @@
-"""FSDP through cgx.value_and_grad (cgx_jax/data_parallel.py, docs/design.md section 10): a
+"""FSDP through cgx.value_and_grad (cgx_jax/_src/data_parallel.py, docs/design.md section 10): a
 third-party-style GSPMD FSDP tutorial (tests/fsdp_scripts.py) ported by three lines, against
 the nnx.value_and_grad step it replaces: losses, gradients (exact codecs, decoded weights,
 the codec's bound), types, structure and shardings, what the compiled step moves, and the

@@ -1,4 +1,4 @@
-"""Fusion into segments (cgx_jax/fusion.py, docs/design.md section 6): with SRA and
+"""Fusion into segments (cgx_jax/_src/fusion.py, docs/design.md section 6): with SRA and
 all-gather every leaf of at least ``OWN_SEGMENT_MIN_VALUES`` values is a segment of its own
 (one short of whole chunks within its last chunk is padded by the kernels) and the other
 leaves are packed into one more; all segments share the
@@ -16,9 +16,9 @@ import pytest
 from helpers import cpu_mesh, run_sharded
 
 import cgx_jax as cgx
-from cgx_jax import fusion
-from cgx_jax.api import reduce_tree_with_loss
-from cgx_jax.fusion import OWN_SEGMENT_MIN_VALUES, fits_short_row, split_segments
+from cgx_jax._src import fusion
+from cgx_jax._src.api import reduce_tree_with_loss
+from cgx_jax._src.fusion import OWN_SEGMENT_MIN_VALUES, fits_short_row, split_segments
 
 NOTHING_COMPRESSED = "no leaf is compressed"  # the default policy keeps these trees exact
 

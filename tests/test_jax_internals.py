@@ -1,4 +1,4 @@
-"""The JAX internals cgx_jax uses (cgx_jax/collectives/jax_compat.py and the launcher's
+"""The JAX internals cgx_jax uses (cgx_jax/_src/collectives/jax_compat.py and the launcher's
 start-up hook, cgx_jax/launch_site/sitecustomize.py), each checked to be where cgx looks for
 it in the installed jax: an upgrade that moves one fails here, by name, instead of somewhere
 deep in a multi-process run. And what cgx does when one is gone."""
@@ -8,7 +8,7 @@ import importlib
 import jax
 import pytest
 
-from cgx_jax.collectives import jax_compat
+from cgx_jax._src.collectives import jax_compat
 
 
 def test_all_gather_invariant_is_where_cgx_looks():
@@ -51,7 +51,9 @@ def test_the_launcher_hook_says_so_when_clusters_register_another_way(capsys):
     import pathlib
     import types
 
-    path = pathlib.Path(jax_compat.__file__).parent.parent / "launch_site" / "sitecustomize.py"
+    import cgx_jax
+
+    path = pathlib.Path(cgx_jax.__file__).parent / "launch_site" / "sitecustomize.py"
     spec = importlib.util.spec_from_file_location("cgx_launch_site", path)
     hook = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(hook)  # outside the launcher: installs nothing

@@ -25,7 +25,8 @@ from processes import (
     single_process,
 )
 
-from cgx_jax import launch, netem
+from cgx_jax import launch
+from cgx_jax._src import netem
 
 
 def test_failing_process_stops_the_launch(tmp_path):

@@ -101,7 +101,7 @@ def test_what_launch_applies_is_judged_before_jax_starts():
     cases = {"cpu": True, "cpu,cuda": True, "cuda,cpu": False, "tpu": False}
     script = textwrap.dedent(f"""
         import jax
-        from cgx_jax import memory
+        from cgx_jax._src import memory
         for platforms in {list(cases)!r}:  # no backend has started in this process
             jax.config.update("jax_platforms", platforms)
             print(memory.jax_runs_on_cpu_only())

@@ -1,5 +1,5 @@
-"""cgx.value_and_grad with the model styles users bring (cgx_jax/data_parallel.py,
-cgx_jax/trees.py; docs/design.md section 6): a plain pytree of arrays placed with
+"""cgx.value_and_grad with the model styles users bring (cgx_jax/_src/data_parallel.py,
+cgx_jax/_src/trees.py; docs/design.md section 6): a plain pytree of arrays placed with
 NamedShardings (the JAX docs' MLP) keeps its sharding without param_specs= over explicit
 mesh axes, and over automatic axes gets a warning naming the fix; an Equinox model with
 activation functions among its leaves works as it is, with the gradients

@@ -58,7 +58,7 @@ def test_hierarchical_large_pieces_across_processes(tmp_path):
 
 
 # ---------------------------------------------------------------------------
-# Processes that disagree on the wire (cgx_jax/consistency.py)
+# Processes that disagree on the wire (cgx_jax/_src/consistency.py)
 # ---------------------------------------------------------------------------
 
 EXPECTED_DIFFERENCE = {  # setting changed on rank 1 -> a line the error must hold

@@ -35,7 +35,7 @@ from helpers import cpu_mesh, run_2d, run_sharded
 from jax.sharding import PartitionSpec as P
 
 import cgx_jax as cgx
-from cgx_jax.fusion import OWN_SEGMENT_MIN_VALUES
+from cgx_jax._src.fusion import OWN_SEGMENT_MIN_VALUES
 
 BITS, BUCKET = 2, 128
 CODEC = cgx.Codec(bits=BITS, bucket_size=BUCKET, rounding="stochastic")

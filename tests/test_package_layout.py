@@ -40,7 +40,7 @@ def package_dependencies(name: str) -> set[str]:
     deps = set()
     for module, names in top_level_imports(MODULES[name]):
         submodules = {f"{module}.{n}" for n in names} & MODULES.keys()
-        deps |= submodules  # from cgx_jax import fusion: the module cgx_jax.fusion
+        deps |= submodules  # from cgx_jax._src import fusion: the module cgx_jax._src.fusion
         if module in MODULES and (not names or len(submodules) < len(names)):
             deps.add(module)
     return deps - {name}
@@ -75,8 +75,8 @@ LAYERS = [
 
 
 def layer(name: str) -> int | None:
-    """The row of module ``name`` in ``LAYERS`` (``None`` for the package itself)."""
-    parts = name.split(".")[1:]
+    """The row of module ``name`` in ``LAYERS`` (``None`` for the package and ``_src``)."""
+    parts = [p for p in name.split(".")[1:] if p != "_src"]
     if not parts:
         return None
     found = [i for i, row in enumerate(LAYERS) if parts[0] in row]
@@ -96,9 +96,9 @@ def test_modules_import_only_what_the_layers_list_above_them():
 def test_the_layer_check_finds_an_upward_import(monkeypatch):
     real = package_dependencies
     monkeypatch.setitem(globals(), "package_dependencies",
-                        lambda name: real(name) | ({"cgx_jax.api"} if name == "cgx_jax.codec"
-                                                   else set()))
-    with pytest.raises(AssertionError, match="cgx_jax.codec imports cgx_jax.api"):
+                        lambda name: real(name) | ({"cgx_jax._src.api"}
+                                                   if name == "cgx_jax._src.codec" else set()))
+    with pytest.raises(AssertionError, match="cgx_jax._src.codec imports cgx_jax._src.api"):
         test_modules_import_only_what_the_layers_list_above_them()
 
 
@@ -106,8 +106,8 @@ def test_the_cycle_check_finds_a_cycle(monkeypatch):
     # The check above must be able to fail: a fake edge codec -> api closes a cycle.
     real = package_dependencies
     monkeypatch.setitem(globals(), "package_dependencies",
-                        lambda name: real(name) | ({"cgx_jax.api"} if name == "cgx_jax.codec"
-                                                   else set()))
+                        lambda name: real(name) | ({"cgx_jax._src.api"}
+                                                   if name == "cgx_jax._src.codec" else set()))
     with pytest.raises(pytest.fail.Exception, match="import cycle"):
         test_there_is_no_import_cycle()
 
@@ -137,17 +137,18 @@ def test_no_module_imports_private_names_of_another(name):
 
 def test_jax_internals_are_confined_to_jax_compat():
     users = sorted(str(p.relative_to(ROOT)) for p in MODULES.values()
-                   if "jax._src" in p.read_text())
+                   if re.search(r"(?<![\w.])jax\._src", p.read_text()))
     # The launcher's start-up hook names JAX's cluster module too: it runs before the script
     # and may import neither cgx_jax nor jax (cgx_jax/launch_site/sitecustomize.py).
-    assert users == ["cgx_jax/collectives/jax_compat.py", "cgx_jax/launch_site/sitecustomize.py"]
+    assert users == ["cgx_jax/_src/collectives/jax_compat.py",
+                     "cgx_jax/launch_site/sitecustomize.py"]
 
 
 def test_flax_is_known_in_one_module():
     """Flax is optional: one module finds out whether the program uses it (flax_compat.py)."""
     users = sorted(str(p.relative_to(ROOT)) for p in MODULES.values()
                    if re.search(r"from flax\b|import flax\b|[\"']flax[\"']", p.read_text()))
-    assert users == ["cgx_jax/flax_compat.py"]
+    assert users == ["cgx_jax/_src/flax_compat.py"]
 
 
 def test_design_references_point_inside_the_repository():

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 import cgx_jax as cgx
-from cgx_jax.codec import Codec, wire_bytes
-from cgx_jax.planner import PAYS_FRACTION, LinkProfile, fit_profile
+from cgx_jax._src.codec import Codec, wire_bytes
+from cgx_jax._src.planner import PAYS_FRACTION, LinkProfile, default_policies, fit_profile
 
 TRUE = dict(exact_latency=2e-3, seconds_per_byte=8e-9, compressed_latency=5e-3,
             seconds_per_wire_byte=9e-9, seconds_per_value=1.5e-9, seconds_per_leaf=5e-3)
@@ -111,12 +111,12 @@ MLP = {f"layer{i}": {"kernel": jax.ShapeDtypeStruct((a, b), jnp.float32),
 def test_estimate_adds_up_every_leaf_per_policy():
     profile = LinkProfile(processes=4, **TRUE)
     fitted = cgx.LayerPolicy(default=cgx.Codec(bits=3), overrides=((r"layer0", cgx.Codec(8)),))
-    e = cgx.estimate(MLP, profile, policies={**cgx.planner.default_policies(), "fit": fitted})
+    e = cgx.estimate(MLP, profile, policies={**default_policies(), "fit": fitted})
     f32 = sum(4 * math.prod(leaf.shape) for leaf in jax.tree.leaves(MLP))
     assert e.f32_bytes == f32
     # lax.psum of the tree: one all-reduce per leaf (8 leaves)
     assert e.exact_seconds == pytest.approx(TRUE["exact_latency"] + 8e-9 * f32 + 7 * 5e-3)
-    policies = {**cgx.planner.default_policies(), "fit": fitted}
+    policies = {**default_policies(), "fit": fitted}
     assert [p.name for p in e.policies] == list(policies)
     for row in e.policies:
         seconds, wire = reference_seconds(profile, MLP, policies[row.name])

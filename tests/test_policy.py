@@ -12,6 +12,7 @@ from helpers import run_sharded
 from models import LinenBlock
 
 import cgx_jax as cgx
+from cgx_jax._src.policy import path_name
 
 
 def linen_params():
@@ -32,7 +33,7 @@ def nnx_params():
 def resolved_paths(policy, tree):
     codecs = policy.resolve(tree)
     flat = jax.tree_util.tree_flatten_with_path(codecs, is_leaf=lambda c: c is None)[0]
-    return {cgx.policy.path_name(p): c for p, c in flat}
+    return {path_name(p): c for p, c in flat}
 
 
 def test_linen_default_policy_keeps_vectors_and_small_matrices_exact():

@@ -1,4 +1,4 @@
-"""cgx_jax/reduction.py: the plan of a compressed all-reduce, checked without running anything
+"""cgx_jax/_src/reduction.py: the plan of a compressed all-reduce, checked without running anything
 (shapes only, sizes worked out by hand from docs/design.md section 6), and the plan's
 agreement with what the run packs."""
 
@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import cgx_jax as cgx
-from cgx_jax import fusion
-from cgx_jax.reduction import Segment, plan_reduction
+from cgx_jax._src import fusion
+from cgx_jax._src.reduction import Segment, plan_reduction
 
 FOUR = cgx.Codec(bits=4, bucket_size=64)
 EIGHT = cgx.Codec(bits=8, bucket_size=64, rounding="nearest")

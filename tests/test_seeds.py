@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cgx_jax.seeds import phase_seeds, seed_bits
+from cgx_jax._src.seeds import phase_seeds, seed_bits
 
 
 def folded(key, group, participant, segment, phase):

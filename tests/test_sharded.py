@@ -1,4 +1,4 @@
-"""cgx_jax/sharded.py (docs/design.md section 10): compressed_all_gather and
+"""cgx_jax/_src/sharded.py (docs/design.md section 10): compressed_all_gather and
 compressed_psum_scatter against numpy models of the format (tests/numpy_model.py) and the
 lax collectives they replace: values bit for bit, layouts, dtypes, replicas, exact leaves,
 gradients, noise, the jnp backend, pmap and bad arguments."""
@@ -14,6 +14,7 @@ import pytest
 from helpers import run_sharded
 
 import cgx_jax as cgx
+from cgx_jax._src.policy import choose_codecs
 
 N = 4
 W8 = cgx.Codec(bits=8, bucket_size=64, rounding="nearest")
@@ -245,12 +246,12 @@ def test_psum_scatter_plans_a_tree_in_segments_of_whole_rows():
     """The reduce-scatter is planned by reduction.plan_reduction: the big leaf a segment of
     its own, the W8 leaves whose rows are not whole buckets packed row by row (each row padded
     to whole buckets), the other codec's leaf its own group, the bias and ints exact."""
-    from cgx_jax.collectives import REDUCE_SCATTER
-    from cgx_jax.reduction import plan_reduction
+    from cgx_jax._src.collectives import REDUCE_SCATTER
+    from cgx_jax._src.reduction import plan_reduction
 
     tree = jax.tree.map(lambda x: x[0], scatter_tree(20))
     leaves, treedef = jax.tree.flatten(tree)  # b, big, count, u, v, w
-    codecs = cgx.policy.choose_codecs(leaves, treedef, policy=SCATTER_POLICY)
+    codecs = choose_codecs(leaves, treedef, policy=SCATTER_POLICY)
     rows = [jax.ShapeDtypeStruct((N, leaf.shape[0] // N) + leaf.shape[1:], leaf.dtype)
             for leaf in leaves]
     plan = plan_reduction(rows, codecs, algorithm=REDUCE_SCATTER, num_participants=N)

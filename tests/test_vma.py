@@ -1,4 +1,4 @@
-"""cgx_jax.vma and the data-parallel styles (docs/design.md section 6): ``pmap``,
+"""cgx_jax._src.vma and the data-parallel styles (docs/design.md section 6): ``pmap``,
 ``jax.shard_map`` with ``check_vma`` on and off, and Flax ``nnx.shard_map``; for each,
 ``compressed_pmean`` and the Optax transform (with and without error feedback) give the mean
 of the local gradients (not N times it), already-reduced gradients are refused where JAX can

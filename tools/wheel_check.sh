@@ -67,7 +67,7 @@ for spec in "$@"; do
   (cd "$WORK/tree" && "$venv/bin/python" -) <<'PY'
 import site, sys, jax, jaxlib, cgx_jax
 from cgx_jax import _cgx_cpu
-from cgx_jax.backends import ffi
+from cgx_jax._src.backends import ffi
 assert cgx_jax.__file__.startswith(tuple(site.getsitepackages())), cgx_jax.__file__
 print(f"cgx_jax from {cgx_jax.__file__}; jax {jax.__version__}, jaxlib {jaxlib.__version__}; "
       f"FFI API: module {_cgx_cpu.ffi_api_version()}, jaxlib {ffi.running_ffi_api_version()}")

@@ -1,5 +1,5 @@
 // The nanobind side shared by the CPU and CUDA modules: both expose registrations(), a dict
-// from FFI target name to handler capsule, which cgx_jax.backends.ffi registers with
+// from FFI target name to handler capsule, which cgx_jax._src.backends.ffi registers with
 // jax.ffi.register_ffi_target for its platform, and ffi_api_version(), the XLA FFI API
 // version of the headers the module was built against (XLA runs a handler only if its
 // version is at most the running jaxlib's).

@@ -1,7 +1,7 @@
 """All-reduce bandwidth benchmark across real processes on an emulated network:
 ``python -m cgx_jax.bench allreduce --processes 4 --link 1gbit [--sizes 1M 16M] ...``.
 
-Topology (root only; ``cgx_jax.netem``, docs/design.md section 9): one network namespace per
+Topology (root only; ``cgx_jax._src.netem``, docs/design.md section 9): one network namespace per
 process (``cgxbench0`` ... ``cgxbench{N-1}``, ``--netns-prefix``) joined through a bridge by
 veth links shaped with ``tc tbf`` in both directions, private addresses (``10.213.0.0/24`` by
 default) that exist only inside these namespaces, and hosts files so Gloo binds to the veth
@@ -38,6 +38,7 @@ import sys
 import textwrap
 import time
 
+from cgx_jax._src.netem import parse_rate, shaped_network
 from cgx_jax.bench.common import (
     add_report_arguments,
     add_worker_arguments,
@@ -47,7 +48,6 @@ from cgx_jax.bench.common import (
     run_links,
     size_label,
 )
-from cgx_jax.netem import parse_rate, shaped_network
 
 NS_PREFIX = "cgxbench"
 PORT = 23456
@@ -141,9 +141,9 @@ def worker(args) -> None:
 
     def wire_only(codec, size):
         """SRA's collectives on packets of its byte count, nothing encoded or decoded."""
-        from cgx_jax.codec import packet_bytes
-        from cgx_jax.collectives import padding_multiple
-        from cgx_jax.collectives.transport import exchange_rows
+        from cgx_jax._src.codec import packet_bytes
+        from cgx_jax._src.collectives import padding_multiple
+        from cgx_jax._src.collectives.transport import exchange_rows
 
         multiple = padding_multiple("sra", codec, n)
         chunk = packet_bytes(-(-size // multiple) * multiple // n, codec)

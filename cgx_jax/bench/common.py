@@ -116,8 +116,8 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
 
 def check_network_arguments(parser: argparse.ArgumentParser, args) -> None:
     """``parser.error`` unless ``--processes`` is at least 2 and ``--link``, ``--netns-prefix``
-    and ``--subnet`` can build the benchmark's network (``cgx_jax.netem.argument_problem``)."""
-    from cgx_jax.netem import argument_problem
+    and ``--subnet`` can build the benchmark's network (``cgx_jax._src.netem.argument_problem``)."""
+    from cgx_jax._src.netem import argument_problem
 
     if args.processes < 2:
         parser.error(f"--processes must be at least 2, got {args.processes}")

@@ -22,10 +22,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cgx_jax.backends import ffi
+from cgx_jax._src.backends import ffi
+from cgx_jax._src.codec import Codec, packet_bytes
+from cgx_jax._src.memory import keep_freed_memory_on_cpu
 from cgx_jax.bench.common import cpu_description, median_seconds, parse_size
-from cgx_jax.codec import Codec, packet_bytes
-from cgx_jax.memory import keep_freed_memory_on_cpu
 
 
 def _copy_seconds(x, repeats: int, calls: int) -> float:

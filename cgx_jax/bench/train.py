@@ -2,7 +2,7 @@
 ``python -m cgx_jax.bench train --processes 4 --link 1gbit [--models mlp vit] ...``.
 
 Each process is one participant (the allreduce benchmark's network: a namespace per
-process behind ``tc tbf`` veth links, ``cgx_jax.netem``; docs/design.md section 9). Every
+process behind ``tc tbf`` veth links, ``cgx_jax._src.netem``; docs/design.md section 9). Every
 process runs plain library defaults: nothing in it is tuned beyond what a user's training
 process has. Per model and mode it times the median seconds per step over ``--repeats``
 steps after ``--warmup`` steps, the modes taking turns step by step (so a slow spell of a
@@ -51,6 +51,8 @@ import os
 import sys
 import time
 
+from cgx_jax._src.netem import shaped_network
+from cgx_jax._src.sharded import WEIGHT_CODEC
 from cgx_jax.bench.common import (
     add_report_arguments,
     add_worker_arguments,
@@ -58,7 +60,6 @@ from cgx_jax.bench.common import (
     cpu_description,
     run_links,
 )
-from cgx_jax.netem import shaped_network
 
 NS_PREFIX = "cgxtrain"
 PORT = 23476
@@ -329,7 +330,7 @@ def _fsdp_run(mode, mesh, axis, params, loss_fn, tx) -> dict:
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     import cgx_jax as cgx
-    from cgx_jax.vma import to_local
+    from cgx_jax._src.vma import to_local
 
     n = mesh.size
     specs = _fsdp_specs(params, n, axis)
@@ -424,7 +425,7 @@ def _gspmd_fsdp_run(mode, mesh, axis, params, loss_fn, tx) -> dict:
         updates, state = tx.update(grads, state, params)
         return optax.apply_updates(params, updates), state, loss
 
-    weights = cgx.LayerPolicy(default=cgx.sharded.WEIGHT_CODEC) if use_cgx else None
+    weights = cgx.LayerPolicy(default=WEIGHT_CODEC) if use_cgx else None
     return dict(step=step, params=jax.device_put(params, shardings[0]),
                 state=jax.device_put(state, shardings[1]), **_fsdp_bytes(params, weights))
 

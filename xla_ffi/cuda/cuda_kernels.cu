@@ -801,7 +801,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(cgx_reduce_requantize_cuda, ReduceRequantize,
 NB_MODULE(_cgx_cuda, m) {
   cgx::define_common(m);
   // The CUDA runtime is linked statically (CMakeLists.txt), so this module runs on any driver
-  // of its CUDA major or newer, whatever JAX's own runtime is; cgx_jax.backends.ffi compares
+  // of its CUDA major or newer, whatever JAX's own runtime is; cgx_jax._src.backends.ffi compares
   // these numbers with the driver and JAX's CUDA plugin before registering the targets.
   m.def("cuda_versions", []() {
     int driver = 0;

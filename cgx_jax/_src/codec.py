@@ -103,5 +103,11 @@ def packet_bytes(n: int, codec: Codec) -> int:
 
 
 def wire_bytes(n: int, codec: Codec) -> int:
-    """Bytes of the packet for ``n`` values of any count (padded to whole buckets)."""
+    """Bytes of the packet for ``n`` values of any count (padded to whole buckets).
+
+    Example:
+        >>> import cgx_jax as cgx
+        >>> cgx.wire_bytes(1000, cgx.Codec(bits=4, bucket_size=512))  # 2 x (8 + 256) bytes
+        528
+    """
     return packet_bytes(padded_length(n, codec.bucket_size), codec)

@@ -1,7 +1,7 @@
 """The codec's three operations, ``quantize_rows``, ``dequantize_rows`` and
 ``reduce_requantize``, in two implementations with one contract (docs/design.md section 3):
-``"ffi"`` (``cgx_jax.backends.ffi``, whose docstrings state it): the C++/CUDA kernels as XLA
-FFI custom calls; ``"jax"`` (``cgx_jax.backends.pure_jax``): the same format in
+``"ffi"`` (``cgx_jax._src.backends.ffi``, whose docstrings state it): the C++/CUDA kernels as XLA
+FFI custom calls; ``"jax"`` (``cgx_jax._src.backends.pure_jax``): the same format in
 ``jax.numpy``, for TPU or builds without kernels, with the same signatures
 (tests/test_backends_pure_jax.py compares them). Rows are whole buckets; padding belongs to the
 callers.
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from cgx_jax.backends import ffi, pure_jax
-from cgx_jax.validation import check_choice
+from cgx_jax._src.backends import ffi, pure_jax
+from cgx_jax._src.validation import check_choice
 
 BACKENDS = {"ffi": ffi, "jax": pure_jax}
 
@@ -22,7 +22,7 @@ def get_backend(name: str) -> ModuleType:
 
     Example:
         >>> get_backend("jax").__name__
-        'cgx_jax.backends.pure_jax'
+        'cgx_jax._src.backends.pure_jax'
     """
     check_choice("backend", name, BACKENDS)
     return BACKENDS[name]

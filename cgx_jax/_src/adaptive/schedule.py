@@ -13,16 +13,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cgx_jax.adaptive.fit import check_budget, fit_policy
-from cgx_jax.adaptive.measure import (
+from cgx_jax._src.adaptive.fit import check_budget, fit_policy
+from cgx_jax._src.adaptive.measure import (
     DEFAULT_BUCKET_SIZE,
     DEFAULT_CHOICES,
     ErrorTable,
     check_choices,
     layer_errors,
 )
-from cgx_jax.codec import Codec
-from cgx_jax.policy import LayerPolicy
+from cgx_jax._src.codec import Codec
+from cgx_jax._src.policy import LayerPolicy
 
 
 @dataclasses.dataclass(frozen=True)

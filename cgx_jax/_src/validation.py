@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from cgx_jax.codec import Codec
+from cgx_jax._src.codec import Codec
 
 
 def check_choice(name: str, value, allowed) -> None:

@@ -21,17 +21,17 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from cgx_jax import fusion
-from cgx_jax.axes import axis_size, axis_tuple
-from cgx_jax.backends import BACKENDS, get_backend
-from cgx_jax.codec import Codec, packet_bytes
-from cgx_jax.collectives import REDUCE_SCATTER
-from cgx_jax.consistency import check_processes_agree
-from cgx_jax.policy import LayerPolicy, choose_codecs, path_name
-from cgx_jax.reduction import ReductionPlan, plan_reduction, run_scatter_plan, segment_seeds
-from cgx_jax.seeds import seed_bits
-from cgx_jax.validation import check_choice, check_codec
-from cgx_jax.vma import to_local, varying_axes
+from cgx_jax._src import fusion
+from cgx_jax._src.axes import axis_size, axis_tuple
+from cgx_jax._src.backends import BACKENDS, get_backend
+from cgx_jax._src.codec import Codec, packet_bytes
+from cgx_jax._src.collectives import REDUCE_SCATTER
+from cgx_jax._src.consistency import check_processes_agree
+from cgx_jax._src.policy import LayerPolicy, choose_codecs, path_name
+from cgx_jax._src.reduction import ReductionPlan, plan_reduction, run_scatter_plan, segment_seeds
+from cgx_jax._src.seeds import seed_bits
+from cgx_jax._src.validation import check_choice, check_codec
+from cgx_jax._src.vma import to_local, varying_axes
 
 # Weights travel at 8 bits with nearest rounding (no key needed, error below 0.2% of each
 # bucket's range); gradients at the library's default, 4-bit stochastic (unbiased).

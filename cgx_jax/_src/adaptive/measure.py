@@ -1,6 +1,6 @@
 """Measuring what quantization costs each layer (docs/design.md section 7): the error table
 of squared quantization errors and packet bytes per candidate leaf and bit width, measured
-with the real codec. ``cgx_jax.adaptive.fit`` turns a table into a policy.
+with the real codec. ``cgx_jax._src.adaptive.fit`` turns a table into a policy.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cgx_jax.backends import get_backend
-from cgx_jax.codec import Codec, pad_to_multiple, wire_bytes
-from cgx_jax.policy import LayerPolicy, check_policy, path_name
+from cgx_jax._src.backends import get_backend
+from cgx_jax._src.codec import Codec, pad_to_multiple, wire_bytes
+from cgx_jax._src.policy import LayerPolicy, check_policy, path_name
 
 DEFAULT_CHOICES = (2, 3, 4, 5, 6, 8)
 DEFAULT_BUCKET_SIZE = 1024
@@ -32,6 +32,13 @@ class ErrorTable:
       bytes: ``int64[leaves, choices]`` packet bytes (static numpy).
       choices: the candidate bit widths, ascending.
       bucket_size: the bucket size of every candidate codec.
+
+    Example:
+        >>> import jax.numpy as jnp, cgx_jax as cgx
+        >>> table = cgx.layer_errors({"w": jnp.linspace(-1, 1, 64 * 512).reshape(64, 512)},
+        ...                          choices=(2, 4), backend="jax")
+        >>> table.paths, table.choices, table.errors.shape
+        (('w',), (2, 4), (1, 2))
     """
 
     def __init__(self, paths, sizes, errors, bytes, choices, bucket_size):  # noqa: A002

@@ -23,8 +23,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from cgx_jax import flax_compat
-from cgx_jax.axes import axis_tuple
+from cgx_jax._src import flax_compat
+from cgx_jax._src.axes import axis_tuple
 
 
 def varying_axes(value) -> frozenset:

@@ -26,16 +26,16 @@ import re
 import jax
 import numpy as np
 
-from cgx_jax.adaptive.measure import (
+from cgx_jax._src.adaptive.measure import (
     DEFAULT_BUCKET_SIZE,
     DEFAULT_CHOICES,
     ErrorTable,
     check_choices,
     layer_errors,
 )
-from cgx_jax.codec import META_BYTES_PER_BUCKET, Codec, padded_length
-from cgx_jax.policy import LayerPolicy, check_policy
-from cgx_jax.validation import check_choice
+from cgx_jax._src.codec import META_BYTES_PER_BUCKET, Codec, padded_length
+from cgx_jax._src.policy import LayerPolicy, check_policy
+from cgx_jax._src.validation import check_choice
 
 DEFAULT_CELLS = 2000
 OBJECTIVES = ("error", "bytes")

@@ -9,9 +9,9 @@
   ``compressed_allreduce(..., adaptive=...)``, and ``refit_policy``.
 """
 
-from cgx_jax.adaptive.fit import fit_policy
-from cgx_jax.adaptive.measure import ErrorTable, layer_errors
-from cgx_jax.adaptive.schedule import AdaptiveConfig, AdaptiveState, refit_policy
+from cgx_jax._src.adaptive.fit import fit_policy
+from cgx_jax._src.adaptive.measure import ErrorTable, layer_errors
+from cgx_jax._src.adaptive.schedule import AdaptiveConfig, AdaptiveState, refit_policy
 
 __all__ = ["AdaptiveConfig", "AdaptiveState", "ErrorTable", "fit_policy", "layer_errors",
            "refit_policy"]

@@ -7,7 +7,7 @@ cross-process transport in ``transport``, the one use of JAX internals in ``jax_
 Each flat algorithm takes buffers already padded for it (``padding_multiple``; SRA and
 all-gather a list of segments sharing their collectives, the ring one buffer), this
 participant's index, seeds (one ``uint32[2]`` pair per quantization phase, per segment) and
-a backend (``cgx_jax.backends``), and returns the f32 sums and, with ``local_error=True``,
+a backend (``cgx_jax._src.backends``), and returns the f32 sums and, with ``local_error=True``,
 what this participant's own compression lost (the input minus what its peers decoded of
 it; error feedback adds it to the next step's gradient), else ``None``. A ``divisor``
 above 1 (``compressed_pmean``) scales the sums by ``f32(1/divisor)`` in the kernel that
@@ -24,13 +24,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from cgx_jax.axes import axis_tuple
-from cgx_jax.backends import get_backend
-from cgx_jax.codec import Codec
-from cgx_jax.collectives.allgather import allgather_reduce
-from cgx_jax.collectives.hierarchical import hierarchical_reduce
-from cgx_jax.collectives.ring import ring_reduce
-from cgx_jax.collectives.sra import reduce_scatter, scatter_reduce_allgather
+from cgx_jax._src.axes import axis_tuple
+from cgx_jax._src.backends import get_backend
+from cgx_jax._src.codec import Codec
+from cgx_jax._src.collectives.allgather import allgather_reduce
+from cgx_jax._src.collectives.hierarchical import hierarchical_reduce
+from cgx_jax._src.collectives.ring import ring_reduce
+from cgx_jax._src.collectives.sra import reduce_scatter, scatter_reduce_allgather
 
 
 def _ring_segments(bufs, lengths, axis_name, index, num_participants, seeds, codecs, backend,

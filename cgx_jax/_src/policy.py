@@ -15,9 +15,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from cgx_jax.codec import Codec, wire_bytes
-from cgx_jax.trees import is_array, partition
-from cgx_jax.validation import check_codec
+from cgx_jax._src.codec import Codec, wire_bytes
+from cgx_jax._src.trees import is_array, partition
+from cgx_jax._src.validation import check_codec
 
 # Layers below 16K values (64 KiB in f32) cost latency, not bandwidth: compressing them saves
 # little and spends their precision. CGX leaves such layers, biases and norms exact too.

@@ -4,7 +4,7 @@ The CPU module ``_cgx_cpu`` is always built; the CUDA module ``_cgx_cuda`` is op
 imported only when JAX has a GPU backend, so a CPU-only install never fails on import.
 Every wrapper works on ``[rows, n]`` arrays with ``n`` a multiple of the bucket size, whose
 last row may be short (flat, read as if padded with the last value); other padding and
-flattening belong to the callers (``cgx_jax.api``, ``cgx_jax.collectives``).
+flattening belong to the callers (``cgx_jax._src.api``, ``cgx_jax._src.collectives``).
 The contract of each operation is in docs/design.md section 3.
 """
 
@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cgx_jax.codec import Codec, packet_bytes
+from cgx_jax._src.codec import Codec, packet_bytes
 
 TARGETS = ("cgx_quantize", "cgx_dequantize", "cgx_reduce_requantize")
 
@@ -88,7 +88,7 @@ def check_cuda_versions(module) -> None:
     CUDA major than JAX's CUDA plugin (an untested mix of two runtimes in one process), or
     for a newer CUDA major than the installed driver supports (its kernels would fail to
     launch at the first step)."""
-    from cgx_jax.collectives.jax_compat import jax_cuda_runtime_version  # (import cycle)
+    from cgx_jax._src.collectives.jax_compat import jax_cuda_runtime_version  # (import cycle)
 
     built, driver = module.cuda_versions()
     jax_runtime = jax_cuda_runtime_version()

@@ -18,18 +18,18 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from cgx_jax import flax_compat
-from cgx_jax.adaptive import schedule
-from cgx_jax.api import reduce_tree, reduce_tree_with_loss
-from cgx_jax.axes import axis_tuple
-from cgx_jax.policy import (
+from cgx_jax._src import flax_compat
+from cgx_jax._src.adaptive import schedule
+from cgx_jax._src.api import reduce_tree, reduce_tree_with_loss
+from cgx_jax._src.axes import axis_tuple
+from cgx_jax._src.policy import (
     LayerPolicy,
     check_policy,
     leaf_paths,
     residual_shape,
     with_residual,
 )
-from cgx_jax.vma import check_local
+from cgx_jax._src.vma import check_local
 
 
 class CompressedAllReduceState(NamedTuple):
@@ -41,7 +41,14 @@ class CompressedAllReduceState(NamedTuple):
     so under ``shard_map`` it is sharded over the data axis (``state_specs``/``shard_state``) and
     every participant's residual is saved in a checkpoint; ``None`` without it.
     ``adaptive``: with ``adaptive=``, the ``AdaptiveState`` (error statistics for
-    ``cgx.refit_policy``); ``None`` without it."""
+    ``cgx.refit_policy``); ``None`` without it.
+
+    Example:
+        >>> import jax.numpy as jnp, cgx_jax as cgx
+        >>> state = cgx.compressed_allreduce("data").init({"w": jnp.zeros((4, 4))})
+        >>> isinstance(state, cgx.CompressedAllReduceState), state.residual
+        (True, None)
+    """
 
     key: jax.Array
     residual: Any

@@ -28,7 +28,7 @@ import json
 
 import jax
 
-from cgx_jax.collectives.jax_compat import distributed_client
+from cgx_jax._src.collectives.jax_compat import distributed_client
 
 # How long a process waits for the others to reach the same compressed all-reduce (they
 # may compile or load data at different speeds).
@@ -42,7 +42,17 @@ _calls = itertools.count()  # the n-th check of this process meets the n-th of t
 
 class ProcessesDisagreeError(ValueError):
     """The processes of a multi-process run decided differently what a compressed all-reduce
-    sends (or one of them never reached it)."""
+    sends (or one of them never reached it). A ``ValueError``, raised at trace time on every
+    process, before any byte moves, naming each setting that differs.
+
+    Example:
+        >>> import cgx_jax as cgx
+        >>> try:  # what a process whose policy differs from its peers' meets
+        ...     raise cgx.ProcessesDisagreeError("bits: process 0: 4, process 1: 8")
+        ... except ValueError as error:
+        ...     print(type(error).__name__, error)
+        ProcessesDisagreeError bits: process 0: 4, process 1: 8
+    """
 
 
 def check_processes_agree(settings: dict, what: str = "compressed all-reduce") -> None:

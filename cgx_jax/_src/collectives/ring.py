@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from cgx_jax.collectives.transport import gather_packets
+from cgx_jax._src.collectives.transport import gather_packets
 
 
 def ring_reduce(buf, axis_name, index, num_participants, seeds, codec, backend, local_error=False,

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cgx_jax.codec import Codec
+from cgx_jax._src.codec import Codec
 
 
 def seed_bits(key, name: str = "key"):

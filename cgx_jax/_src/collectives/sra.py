@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from cgx_jax.collectives.transport import column_offsets, exchange_rows, gather_packets
+from cgx_jax._src.collectives.transport import column_offsets, exchange_rows, gather_packets
 
 
 def exchange_chunks(bufs, chunks, axis_name, index, num_participants, seeds, codecs, backend,

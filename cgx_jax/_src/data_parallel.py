@@ -34,10 +34,10 @@ from jax import lax
 from jax.experimental.custom_partitioning import SdyShardingRule, custom_partitioning
 from jax.sharding import AxisType, Mesh, PartitionSpec as P
 
-from cgx_jax import flax_compat
-from cgx_jax.api import reduce_leaves, warn_nothing_compressed
-from cgx_jax.collectives.jax_compat import reshard, untyped_collectives
-from cgx_jax.policy import (
+from cgx_jax._src import flax_compat
+from cgx_jax._src.api import reduce_leaves, warn_nothing_compressed
+from cgx_jax._src.collectives.jax_compat import reshard, untyped_collectives
+from cgx_jax._src.policy import (
     LayerPolicy,
     check_policy,
     leaf_paths,
@@ -45,10 +45,10 @@ from cgx_jax.policy import (
     residual_shape,
     with_residual,
 )
-from cgx_jax.sharded import WEIGHT_CODEC, finish_gather, gather_leaves, start_gather
-from cgx_jax.trees import combine, is_array, is_differentiable, partition
-from cgx_jax.validation import check_choice
-from cgx_jax.vma import local_value_and_grad, to_local
+from cgx_jax._src.sharded import WEIGHT_CODEC, finish_gather, gather_leaves, start_gather
+from cgx_jax._src.trees import combine, is_array, is_differentiable, partition
+from cgx_jax._src.validation import check_choice
+from cgx_jax._src.vma import local_value_and_grad, to_local
 
 # The noise of the FSDP weights' gather (and its gradients' reduce-scatter), folded into the
 # step's key apart from the noise groups of the compressed mean (which fold small numbers).

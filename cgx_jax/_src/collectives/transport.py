@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from cgx_jax.collectives.jax_compat import gather_invariant
+from cgx_jax._src.collectives.jax_compat import gather_invariant
 
 # XLA:CPU's Gloo transport posts a send before the matching receive, and a receive is
 # announced to the peer on the same TCP stream as the data. When two participants exchange

@@ -2,10 +2,10 @@
 ``quantize``/``dequantize`` of single arrays (docs/design.md section 6).
 
 ``reduce_leaves`` is the core every entry point shares: it checks the call, asks
-``cgx_jax.reduction`` for a plan (which leaves are exact, how the others are fused into
-segments), checks that the processes agree on it (``cgx_jax.consistency``) and runs it.
+``cgx_jax._src.reduction`` for a plan (which leaves are exact, how the others are fused into
+segments), checks that the processes agree on it (``cgx_jax._src.consistency``) and runs it.
 ``reduce_tree`` and ``reduce_tree_with_loss`` pick each leaf's codec first (``codec=`` or a
-``cgx_jax.policy.LayerPolicy``).
+``cgx_jax._src.policy.LayerPolicy``).
 """
 
 from __future__ import annotations
@@ -17,22 +17,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cgx_jax.axes import axis_size, axis_tuple, inner_axis_size
-from cgx_jax.backends import BACKENDS, get_backend
-from cgx_jax.codec import Codec, packet_bytes, pad_to_multiple, padded_length
-from cgx_jax.collectives import ALGORITHMS, resolve_algorithm
-from cgx_jax.consistency import check_processes_agree
-from cgx_jax.policy import (
+from cgx_jax._src.axes import axis_size, axis_tuple, inner_axis_size
+from cgx_jax._src.backends import BACKENDS, get_backend
+from cgx_jax._src.codec import Codec, packet_bytes, pad_to_multiple, padded_length
+from cgx_jax._src.collectives import ALGORITHMS, resolve_algorithm
+from cgx_jax._src.consistency import check_processes_agree
+from cgx_jax._src.policy import (
     LayerPolicy,
     check_policy,
     choose_codecs,
     is_compressible,
     path_name,
 )
-from cgx_jax.reduction import plan_reduction, run_plan
-from cgx_jax.seeds import rounding_seed, seed_bits
-from cgx_jax.validation import check_choice, check_codec
-from cgx_jax.vma import check_local
+from cgx_jax._src.reduction import plan_reduction, run_plan
+from cgx_jax._src.seeds import rounding_seed, seed_bits
+from cgx_jax._src.validation import check_choice, check_codec
+from cgx_jax._src.vma import check_local
 
 # ---------------------------------------------------------------------------
 # quantize / dequantize of one array

@@ -3,10 +3,10 @@ and 10): the all-reduce, and the reduce-scatter of ``compressed_psum_scatter``.
 
 ``plan_reduction`` decides, from shapes, dtypes and each leaf's codec only, everything static:
 which leaves are exact, how the leaves sharing a codec are fused into segments
-(``cgx_jax.fusion``), how long each segment is for the algorithm, and which segments share
+(``cgx_jax._src.fusion``), how long each segment is for the algorithm, and which segments share
 one set of collectives. It runs no JAX operation, so a plan can be inspected and tested as
-it is. ``run_plan`` then packs the segments, draws their noise (``cgx_jax.seeds``), runs the
-collectives (``cgx_jax.collectives``) and unpacks the sums, and reduces the exact leaves
+it is. ``run_plan`` then packs the segments, draws their noise (``cgx_jax._src.seeds``), runs the
+collectives (``cgx_jax._src.collectives``) and unpacks the sums, and reduces the exact leaves
 through one ``lax.psum`` (their small ones fused into a buffer across CPU processes).
 ``run_scatter_plan`` does the same for a plan of ``algorithm=REDUCE_SCATTER``.
 """
@@ -21,11 +21,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from cgx_jax import fusion
-from cgx_jax.axes import axis_tuple
-from cgx_jax.backends import get_backend
-from cgx_jax.codec import Codec
-from cgx_jax.collectives import (
+from cgx_jax._src import fusion
+from cgx_jax._src.axes import axis_tuple
+from cgx_jax._src.backends import get_backend
+from cgx_jax._src.codec import Codec
+from cgx_jax._src.collectives import (
     REDUCE_SCATTER,
     Plan,
     allreduce_segments,
@@ -34,9 +34,9 @@ from cgx_jax.collectives import (
     reduce_scatter,
     segment_rows,
 )
-from cgx_jax.consistency import installed_version
-from cgx_jax.seeds import phase_seeds
-from cgx_jax.vma import to_local
+from cgx_jax._src.consistency import installed_version
+from cgx_jax._src.seeds import phase_seeds
+from cgx_jax._src.vma import to_local
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,8 +21,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from cgx_jax.codec import Codec, pad_to_multiple, padded_length
-from cgx_jax.vma import varying_axes
+from cgx_jax._src.codec import Codec, pad_to_multiple, padded_length
+from cgx_jax._src.vma import varying_axes
 
 
 def group_by_codec(leaves, codecs) -> tuple[dict[Codec, list[int]], list[int]]:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from cgx_jax.collectives.jax_compat import gather_invariant
-from cgx_jax.collectives.transport import exact_reduce_scatter
+from cgx_jax._src.collectives.jax_compat import gather_invariant
+from cgx_jax._src.collectives.transport import exact_reduce_scatter
 
 
 def hierarchical_reduce(buf, inner_axis_name, reduce_outer):

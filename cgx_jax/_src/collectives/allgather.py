@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from cgx_jax.collectives.transport import column_offsets, gather_packets
+from cgx_jax._src.collectives.transport import column_offsets, gather_packets
 
 
 def allgather_reduce(bufs, lengths, axis_name, index, num_participants, seeds, codecs, backend,

@@ -1,7 +1,7 @@
 """The codec in pure ``jax.numpy``: the readable specification of the packet format
 (docs/design.md section 2) and the ``backend="jax"`` fallback (TPU, or no compiled kernels).
 
-Same signatures as ``cgx_jax.backends.ffi``. Layout, meta values and levels match the kernels,
+Same signatures as ``cgx_jax._src.backends.ffi``. Layout, meta values and levels match the kernels,
 except where XLA rewrites float arithmetic (reciprocal multiplication, fused multiply-add)
 and a value on a rounding boundary lands one level away.
 """
@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cgx_jax.codec import Codec, packet_bytes, pad_to_multiple
+from cgx_jax._src.codec import Codec, packet_bytes, pad_to_multiple
 
 _F32_MAX = np.float32(np.finfo(np.float32).max)
 
@@ -54,7 +54,7 @@ def _full_rows(x, n):
 
 
 def quantize_rows(x, seed, codec: Codec, skip_row=None, n=None, *, with_lost=False):
-    """Same contract as ``cgx_jax.backends.ffi.quantize_rows``."""
+    """Same contract as ``cgx_jax._src.backends.ffi.quantize_rows``."""
     packets = _encode_rows(x if n is None else _full_rows(x, n), seed, codec, skip_row)
     if not with_lost:
         return packets
@@ -102,7 +102,7 @@ def _encode_rows(x, seed, codec: Codec, skip_row):
 
 def dequantize_rows(packets, codec: Codec, n: int, dtype, offset: int = 0, size=None,
                     divisor: int = 1):
-    """Same contract as ``cgx_jax.backends.ffi.dequantize_rows``."""
+    """Same contract as ``cgx_jax._src.backends.ffi.dequantize_rows``."""
     if size is not None:
         return dequantize_rows(packets, codec, n, dtype, offset,
                                divisor=divisor).reshape(-1)[:size]
@@ -132,7 +132,7 @@ def _scaled(values, divisor: int):
 def reduce_requantize(peers, own, own_index, seed, codec: Codec, n: int, *,
                       emit_packet: bool = True, emit_sum: bool = False, offset: int = 0,
                       sum_size=None, divisor: int = 1):
-    """Same contract as ``cgx_jax.backends.ffi.reduce_requantize``."""
+    """Same contract as ``cgx_jax._src.backends.ffi.reduce_requantize``."""
     num_peers = peers.shape[0]
     pbytes = packet_bytes(n, codec)
     if not 0 <= offset <= peers.shape[1] - pbytes:

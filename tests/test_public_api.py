@@ -1,0 +1,59 @@
+"""The public API is one list, ``cgx_jax.__all__`` (docs/design.md section 6): what ``import
+cgx_jax`` exposes, each name documented with an example, implemented under ``cgx_jax._src``
+(which is not API), and the internals not importable under their old public paths."""
+
+import inspect
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+import cgx_jax as cgx
+
+# The API. A change here is a change users see: the CHANGELOG says it.
+PUBLIC = [
+    "AdaptiveConfig", "Codec", "CompressedAllReduceState", "ErrorTable", "LayerPolicy",
+    "LinkProfile", "ProcessesDisagreeError", "compressed_all_gather", "compressed_allreduce",
+    "compressed_pmean", "compressed_psum", "compressed_psum_scatter", "dequantize", "estimate",
+    "fit_policy", "has_cuda_support", "init_residual", "keep_freed_memory", "layer_errors",
+    "leaf_paths", "local_value_and_grad", "packet_bytes", "quantize", "refit_policy",
+    "shard_state", "state_specs", "summary", "tree_wire_bytes", "value_and_grad", "wire_bytes",
+]
+# Run as programs, not imported by `import cgx_jax`: python -m cgx_jax.launch / .bench.
+PUBLIC_MODULES = {"cgx_jax.launch", "cgx_jax.bench"}
+PACKAGE = pathlib.Path(cgx.__file__).parent
+
+
+def test_the_api_is_one_list():
+    assert sorted(cgx.__all__) == sorted(PUBLIC)
+    assert len(set(cgx.__all__)) == len(cgx.__all__)
+
+
+def test_import_cgx_jax_exposes_the_api_and_nothing_else():
+    script = ("import cgx_jax; print(' '.join(sorted(n for n in vars(cgx_jax) "
+              "if not n.startswith('_'))))")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120, check=True)
+    assert done.stdout.split() == sorted(PUBLIC)
+
+
+@pytest.mark.parametrize("name", PUBLIC)
+def test_every_public_name_is_documented_with_an_example(name):
+    doc = inspect.getdoc(getattr(cgx, name)) or ""
+    assert "Example" in doc and ">>>" in doc, f"cgx_jax.{name} has no example in its docstring"
+
+
+@pytest.mark.parametrize("name", PUBLIC)
+def test_every_public_name_is_implemented_under_src(name):
+    assert getattr(cgx, name).__module__.startswith("cgx_jax._src."), name
+
+
+def test_the_internals_are_not_importable_under_public_paths():
+    public_files = {path.relative_to(PACKAGE).parts[0] for path in PACKAGE.glob("*")
+                    if path.name != "__pycache__" and not path.name.startswith(".")}
+    allowed = {"__init__.py", "_src", "launch.py", "launch_child.py", "launch_site", "bench"}
+    assert public_files - {p for p in public_files if p.endswith(".so")} <= allowed
+    for old in ("cgx_jax.reduction", "cgx_jax.sharded", "cgx_jax.collectives"):
+        with pytest.raises(ModuleNotFoundError):
+            __import__(old)
