@@ -12,6 +12,7 @@ from cgx_jax._src.backends.ffi import has_cuda_support
 from cgx_jax._src.codec import Codec, packet_bytes, wire_bytes
 from cgx_jax._src.consistency import ProcessesDisagreeError
 from cgx_jax._src.data_parallel import init_residual, value_and_grad
+from cgx_jax._src.link_model import LinkProfile, estimate
 from cgx_jax._src.memory import keep_freed_memory
 from cgx_jax._src.optax_transform import (
     CompressedAllReduceState,
@@ -19,7 +20,6 @@ from cgx_jax._src.optax_transform import (
     shard_state,
     state_specs,
 )
-from cgx_jax._src.planner import LinkProfile, estimate
 from cgx_jax._src.policy import LayerPolicy, leaf_paths, summary, tree_wire_bytes
 from cgx_jax._src.sharded import compressed_all_gather, compressed_psum_scatter
 from cgx_jax._src.vma import local_value_and_grad

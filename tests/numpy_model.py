@@ -223,14 +223,14 @@ def dequantize_rows(packets: np.ndarray, bits: int, bucket_size: int, n: int) ->
 
 def lost_rows(x2d: np.ndarray, packets: np.ndarray, bits: int, bucket_size: int,
               skip_row: int = -1) -> np.ndarray:
-    """What quantizing x2d [rows, n] into ``packets`` lost: x - decoded in f32, 0 in row
+    """What quantizing x2d [rows, n] into ``packets`` residual: x - decoded in f32, 0 in row
     ``skip_row`` (not encoded)."""
     x2d = np.asarray(x2d, F32)
     with np.errstate(invalid="ignore", over="ignore"):
-        lost = x2d - dequantize_rows(packets, bits, bucket_size, x2d.shape[1])
+        residual = x2d - dequantize_rows(packets, bits, bucket_size, x2d.shape[1])
     if 0 <= skip_row < x2d.shape[0]:
-        lost[skip_row] = 0
-    return lost
+        residual[skip_row] = 0
+    return residual
 
 
 def reduce_requantize(peers: np.ndarray, own, own_index: int, seed, bits: int, bucket_size: int,

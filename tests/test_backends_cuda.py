@@ -174,10 +174,10 @@ def test_quantize_and_dequantize_match_cpu(rounding, dtype):
             packets = ffi.quantize_rows(x, seed, codec)
             skipped = ffi.quantize_rows(x, seed, codec, skip_row=1)  # SRA's own row
             # Error feedback's residual, written by the encoding kernel, with and without a
-            # skipped row; a flat x with a short last row (the lost values stop with x).
-            with_lost = ffi.quantize_rows(x, seed, codec, skip_row=1, with_lost=True)
-            short = ffi.quantize_rows(x.reshape(-1)[:-9], seed, codec, n=n, with_lost=True)
-            outs.append((packets, skipped, with_lost, short,
+            # skipped row; a flat x with a short last row (the residual values stop with x).
+            with_residual = ffi.quantize_rows(x, seed, codec, skip_row=1, with_residual=True)
+            short = ffi.quantize_rows(x.reshape(-1)[:-9], seed, codec, n=n, with_residual=True)
+            outs.append((packets, skipped, with_residual, short,
                          [ffi.dequantize_rows(packets, codec, n, d) for d in DTYPES],
                          [ffi.dequantize_rows(junk, codec, n, d) for d in DTYPES]))
         return outs
@@ -187,10 +187,10 @@ def test_quantize_and_dequantize_match_cpu(rounding, dtype):
     for codec, (gp, gs, gl, gsl, gd, gj), (cp, cs, cl, csl, cd, cj) in zip(codecs, gpu, cpu):
         found.append(difference(gp, cp, f"quantize {codec} {dtype}"))
         found.append(difference(gs, cs, f"quantize skip_row=1 {codec} {dtype}"))
-        found.append(difference(gl[0], cs, f"quantize skip_row=1 with lost {codec} {dtype}"))
-        found.append(difference(gl[1], cl[1], f"lost skip_row=1 {codec} {dtype}"))
-        found.append(difference(gsl[0], csl[0], f"quantize short with lost {codec} {dtype}"))
-        found.append(difference(gsl[1], csl[1], f"lost of a short row {codec} {dtype}"))
+        found.append(difference(gl[0], cs, f"quantize skip_row=1 with residual {codec} {dtype}"))
+        found.append(difference(gl[1], cl[1], f"residual skip_row=1 {codec} {dtype}"))
+        found.append(difference(gsl[0], csl[0], f"quantize short with residual {codec} {dtype}"))
+        found.append(difference(gsl[1], csl[1], f"residual of a short row {codec} {dtype}"))
         for d, g, c in zip(DTYPES, gd, cd):
             found.append(difference(g, c, f"dequantize {codec} -> {d}"))
         for d, g, c in zip(DTYPES, gj, cj):

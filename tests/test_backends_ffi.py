@@ -155,8 +155,8 @@ def test_quantize_skip_row_zeroes_only_that_row(rows, n):
 @pytest.mark.parametrize("rows,n,short", [(3, 64 * 5, 70), (4, 1 << 18, 1000)],
                          ids=["small", "threaded"])
 def test_quantize_with_lost_writes_x_minus_decoded(rows, n, short, dtype, rounding):
-    """``with_lost`` (error feedback's residual, written by the encoding kernel): the same
-    packets as without it, and lost == x - decode(packets) bit for bit against the numpy
+    """``with_residual`` (error feedback's residual, written by the encoding kernel): the same
+    packets as without it, and residual == x - decode(packets) bit for bit against the numpy
     model, with 0 in the skipped row, for a flat x whose last row is short (the missing
     values are padding, so they have no loss to report) and buckets with NaN, infinities and
     huge ranges; the jnp backend gives the same bits."""
@@ -172,11 +172,11 @@ def test_quantize_with_lost_writes_x_minus_decoded(rows, n, short, dtype, roundi
         want_lost = model.lost_rows(padded, want, 3, 64, skip).reshape(-1)[:flat_f.size]
         for name, backend in (("kernels", ffi), ("jnp", pure_jax)):
             encode = jax.jit(lambda x, s, b=backend, k=skip: b.quantize_rows(  # noqa: B023
-                x, s, codec, skip_row=k, n=n, with_lost=True))
-            packets, lost = encode(on_cpu(flat_d), on_cpu(seed))
-            assert lost.dtype == jnp.float32 and lost.shape == flat_d.shape
+                x, s, codec, skip_row=k, n=n, with_residual=True))
+            packets, residual = encode(on_cpu(flat_d), on_cpu(seed))
+            assert residual.dtype == jnp.float32 and residual.shape == flat_d.shape
             assert_bytes_equal(np.asarray(packets), want, f"{name} packets skip_row={skip}")
-            assert_same_floats(np.asarray(lost), want_lost, f"{name} lost skip_row={skip}")
+            assert_same_floats(np.asarray(residual), want_lost, f"{name} residual skip_row={skip}")
 
 
 REDUCE_CASES = [  # (peers, bits, bucket_size, n)
@@ -588,10 +588,10 @@ PEERS = np.zeros((3, P16), np.uint8)
 OWN = np.ones(16, np.float32)
 
 
-def _quantize_call(x=X16, seed=SEED, out=(1, P16), skip_row=np.int32(-1), n=16, lost=0,
+def _quantize_call(x=X16, seed=SEED, out=(1, P16), skip_row=np.int32(-1), n=16, residual=0,
                    **attrs):
     attrs.setdefault("stochastic", False)
-    outs = (_sds(out, jnp.uint8), _sds((lost,), jnp.float32))
+    outs = (_sds(out, jnp.uint8), _sds((residual,), jnp.float32))
     return _call("cgx_quantize", outs, x, seed, skip_row, n=np.int64(n), **attrs)[0]
 
 
@@ -632,8 +632,8 @@ FFI_ERROR_CASES = {
                                "skip_row must hold 1"),
     "quantize packets rank 3": (lambda: _quantize_call(out=(1, 1, P16)), "rank"),
     "quantize int32 x": (lambda: _quantize_call(x=np.ones((1, 16), np.int32)), "x must be"),
-    "quantize lost of 15": (lambda: _quantize_call(lost=15),
-                            r"lost must hold as many values as x \(16\) or none, got 15"),
+    "quantize residual of 15": (lambda: _quantize_call(residual=15),
+                            r"residual must hold as many values as x \(16\) or none, got 15"),
     "dequantize packets length": (lambda: _dequantize_call(np.zeros((1, P16 - 1), np.uint8)),
                                   f"packets rows of {P16 - 1} bytes cannot hold a packet of "
                                   f"{P16} bytes at offset 0"),
@@ -686,7 +686,7 @@ def test_ffi_handlers_reject_inconsistent_calls(case):
 def test_ffi_handlers_accept_the_consistent_calls():
     """The baselines of the error cases above are valid, so each error comes from its change."""
     assert np.asarray(_quantize_call()).shape == (1, P16)
-    assert np.asarray(_quantize_call(lost=16)).shape == (1, P16)
+    assert np.asarray(_quantize_call(residual=16)).shape == (1, P16)
     assert np.asarray(_dequantize_call()).shape == (1, 16)
     packet, total = _reduce_call(own_index=2)
     np.testing.assert_array_equal(np.asarray(total), OWN)  # zero packets decode to 0

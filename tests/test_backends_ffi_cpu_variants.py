@@ -32,12 +32,12 @@ SCRIPT = textwrap.dedent("""
             for dtype in (jnp.float32, jnp.bfloat16, jnp.float16):
                 packets = ffi.quantize_rows(jnp.asarray(x, dtype), seed, codec)
                 xd, xf = as_dtype(x, dtype)
-                skipped, lost = ffi.quantize_rows(jnp.asarray(xd), seed, codec, skip_row=2,
-                                                  with_lost=True)
+                skipped, residual = ffi.quantize_rows(jnp.asarray(xd), seed, codec, skip_row=2,
+                                                  with_residual=True)
                 decoded = ffi.dequantize_rows(packets, codec, x.shape[1], dtype)
                 packet, total = ffi.reduce_requantize(packets, jnp.asarray(x[1], dtype), 1, seed,
                                                       codec, x.shape[1], emit_sum=True)
-                for a in (packets, decoded, packet, total, lost):
+                for a in (packets, decoded, packet, total, residual):
                     digest.update(np.asarray(a).tobytes())
                 want = model.quantize_rows(xf, np.asarray(seed), bits, 64, codec.stochastic)
                 want_packet, want_sum = model.reduce_requantize(
@@ -47,8 +47,8 @@ SCRIPT = textwrap.dedent("""
                     assert_bytes_equal(packets, want, "quantize " + what)
                     want_skipped = want.copy(); want_skipped[2] = 0
                     assert_bytes_equal(skipped, want_skipped, "quantize skip_row=2 " + what)
-                    assert_same_floats(lost, model.lost_rows(xf, want, bits, 64, 2),
-                                       "lost " + what)
+                    assert_same_floats(residual, model.lost_rows(xf, want, bits, 64, 2),
+                                       "residual " + what)
                     assert_same_floats(decoded, model_decoded(want, codec, x.shape[1], dtype),
                                        "dequantize " + what)
                     assert_bytes_equal(packet, want_packet, "reduce packet " + what)

@@ -69,13 +69,13 @@ def test_quantize_matches_model_or_fails(codec, rows, buckets, length_delta, pac
         if rows * out.shape[1] + lost_size > 0:
             assert raises(run)
         return
-    got, lost = (np.asarray(a) for a in run())
+    got, residual = (np.asarray(a) for a in run())
     padded = np.concatenate([x, np.repeat(x[-1:], short)]).reshape(rows, n)
     want = model.quantize_rows(padded, seed, bits, bucket_size, stochastic, skip_row)
     np.testing.assert_array_equal(got, want)
     if lost_size:
         want_lost = model.lost_rows(padded, want, bits, bucket_size, skip_row)
-        np.testing.assert_array_equal(lost, want_lost.reshape(-1)[:x.size])
+        np.testing.assert_array_equal(residual, want_lost.reshape(-1)[:x.size])
 
 
 @SETTINGS

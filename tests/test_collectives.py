@@ -17,7 +17,7 @@ from helpers import run_2d, run_sharded
 from jax import lax
 
 import cgx_jax as cgx
-from cgx_jax._src.api import reduce_tree_with_loss
+from cgx_jax._src.api import reduce_tree_with_residual
 
 # ---------------------------------------------------------------------------
 # Error bounds
@@ -214,14 +214,14 @@ def test_ring_pytree_and_pmean():
 def test_ring_local_errors_add_up_to_the_total_error():
     codec = cgx.Codec(bits=2, bucket_size=64)
     inputs = jax.random.normal(jax.random.key(4), (3, 64 * 3 * 4))
-    out, lost = run_sharded(
-        lambda x: reduce_tree_with_loss(x, "batch", codec=codec, key=jax.random.key(0),
+    out, residual = run_sharded(
+        lambda x: reduce_tree_with_residual(x, "batch", codec=codec, key=jax.random.key(0),
                                         algorithm="ring", backend="ffi", mean=False),
         inputs, 3)
     exact = np.asarray(inputs, np.float64).sum(0)
-    np.testing.assert_allclose(np.asarray(lost, np.float64).sum(0) + np.asarray(out[0]), exact,
+    np.testing.assert_allclose(np.asarray(residual, np.float64).sum(0) + np.asarray(out[0]), exact,
                                atol=1e-4)
-    assert np.max(np.abs(np.asarray(lost))) > 0.1
+    assert np.max(np.abs(np.asarray(residual))) > 0.1
 
 
 def test_grad_through_ring_is_a_psum():
@@ -351,12 +351,12 @@ def test_hierarchical_grad_is_the_grad_of_a_psum_over_both_axes():
 def test_hierarchical_ring_local_errors_add_up():
     codec = cgx.Codec(bits=2, bucket_size=64)
     inputs = jax.random.normal(jax.random.key(5), (8, 64 * 8 * 2))
-    out, lost = run_2d(
-        lambda x: reduce_tree_with_loss(x, "outer", codec=codec, key=jax.random.key(0),
+    out, residual = run_2d(
+        lambda x: reduce_tree_with_residual(x, "outer", codec=codec, key=jax.random.key(0),
                                         algorithm="ring", backend="ffi", mean=False,
                                         inner_axis_name="inner"), inputs, 4, 2)
     exact = np.asarray(inputs, np.float64).sum(0)
-    np.testing.assert_allclose(np.asarray(lost, np.float64).sum(0) + np.asarray(out[0]), exact,
+    np.testing.assert_allclose(np.asarray(residual, np.float64).sum(0) + np.asarray(out[0]), exact,
                                atol=1e-4)
 
 

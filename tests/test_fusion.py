@@ -17,7 +17,7 @@ from helpers import cpu_mesh, run_sharded
 
 import cgx_jax as cgx
 from cgx_jax._src import fusion
-from cgx_jax._src.api import reduce_tree_with_loss
+from cgx_jax._src.api import reduce_tree_with_residual
 from cgx_jax._src.fusion import OWN_SEGMENT_MIN_VALUES, fits_short_row, split_segments
 
 NOTHING_COMPRESSED = "no leaf is compressed"  # the default policy keeps these trees exact
@@ -78,9 +78,9 @@ def reference_sum(segment_rows, algorithm):
         packet, _ = model.reduce_requantize(peers, chunks[c, c], c, seed, bits, bucket, False,
                                             width)
         decoded.append(model.dequantize_rows(packet[None], bits, bucket, width)[0])
-        lost = chunks[:, c] - model.dequantize_rows(peers, bits, bucket, width)
-        lost[c] = 0.0  # the owner adds its chunk raw
-        errors[:, c] = lost
+        residual = chunks[:, c] - model.dequantize_rows(peers, bits, bucket, width)
+        residual[c] = 0.0  # the owner adds its chunk raw
+        errors[:, c] = residual
     return np.concatenate(decoded), errors.reshape(n, -1)
 
 
@@ -125,15 +125,15 @@ def model_tree(num_devices):
 ])
 def test_segments_match_numpy_reference_bitwise(algorithm, num_devices, segments):
     stacked = model_tree(num_devices)
-    got, lost = run_sharded(
-        lambda t: reduce_tree_with_loss(t, "batch", policy=POLICY, algorithm=algorithm),
+    got, residual = run_sharded(
+        lambda t: reduce_tree_with_residual(t, "batch", policy=POLICY, algorithm=algorithm),
         jax.tree.map(jnp.asarray, stacked), num_devices)
     want = reference_tree(stacked, algorithm, segments)
     for name, (value, errors) in want.items():
         assert got[name].dtype == stacked[name].dtype and got[name].shape == stacked[name].shape
         for device in range(num_devices):
             np.testing.assert_array_equal(np.asarray(got[name][device]), value, err_msg=name)
-        np.testing.assert_array_equal(np.asarray(lost[name]), errors, err_msg=name)
+        np.testing.assert_array_equal(np.asarray(residual[name]), errors, err_msg=name)
     # The layout is visible to the reference: packing every leaf into one buffer gives
     # other bytes (buckets land in other participants' chunks).
     if algorithm == "sra":

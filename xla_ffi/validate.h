@@ -111,7 +111,7 @@ inline xla::ffi::Error check_quantize_args(int64_t bits, int64_t bucket_size, in
   if (auto e = check_rows_of(x_count, *rows, n, "x"); e.failure()) return e;
   if (auto e = check_count(seed_count, 2, "seed"); e.failure()) return e;
   if (lost_count != 0 && lost_count != x_count)
-    return xla::ffi::Error::InvalidArgument("lost must hold as many values as x (" +
+    return xla::ffi::Error::InvalidArgument("residual must hold as many values as x (" +
                                             std::to_string(x_count) + ") or none, got " +
                                             std::to_string(lost_count));
   return check_count(skip_row_count, 1, "skip_row");
@@ -208,7 +208,7 @@ auto quantize_binding() {
       .template Arg<xla::ffi::Buffer<xla::ffi::U32>>()        // seed [2]
       .template Arg<xla::ffi::Buffer<xla::ffi::S32>>()        // skip_row []
       .template Ret<xla::ffi::Buffer<xla::ffi::U8>>()         // packets [rows, P]
-      .template Ret<xla::ffi::Buffer<xla::ffi::F32>>()        // lost: like x, or [0]
+      .template Ret<xla::ffi::Buffer<xla::ffi::F32>>()        // residual: like x, or [0]
       .template Attr<int64_t>("bits")
       .template Attr<int64_t>("bucket_size")
       .template Attr<bool>("stochastic")

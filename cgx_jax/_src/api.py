@@ -4,7 +4,7 @@
 ``reduce_leaves`` is the core every entry point shares: it checks the call, asks
 ``cgx_jax._src.reduction`` for a plan (which leaves are exact, how the others are fused into
 segments), checks that the processes agree on it (``cgx_jax._src.consistency``) and runs it.
-``reduce_tree`` and ``reduce_tree_with_loss`` pick each leaf's codec first (``codec=`` or a
+``reduce_tree`` and ``reduce_tree_with_residual`` pick each leaf's codec first (``codec=`` or a
 ``cgx_jax._src.policy.LayerPolicy``).
 """
 
@@ -97,23 +97,23 @@ def dequantize(packets, codec: Codec, shape, dtype=jnp.float32, *, backend: str 
 # ---------------------------------------------------------------------------
 
 def reduce_leaves(leaves, codecs, axis_name, *, key=None, algorithm="auto", backend="ffi",
-                  mean=False, inner_axis_name=None, with_loss=False, paths=None):
+                  mean=False, inner_axis_name=None, with_residual=False, paths=None):
     """The compressed all-reduce of ``leaves`` (a list of arrays), each with its codec in
     ``codecs`` (None: exact, through one fused ``lax.psum``), over ``axis_name`` (and
-    ``inner_axis_name``) -> ``(reduced leaves, lost)``: ``lost`` (with ``with_loss``, for
-    error feedback) what this participant's own compression lost of each leaf (f32, zero for
-    exact leaves), else None. The core that ``compressed_psum``, ``compressed_allreduce`` and
-    ``value_and_grad`` share: checks the axes and leaves, plans
+    ``inner_axis_name``) -> ``(reduced leaves, residual)``: ``residual`` (with
+    ``with_residual``, for error feedback) what this participant's own compression lost of
+    each leaf (f32, zero for exact leaves), else None. The core that ``compressed_psum``,
+    ``compressed_allreduce`` and ``value_and_grad`` share: checks the axes and leaves, plans
     (``reduction.plan_reduction``), checks that the processes agree on the plan, runs it.
     ``paths`` name the leaves in errors.
 
     Example:
         >>> import jax, jax.numpy as jnp, cgx_jax as cgx
         >>> codec = cgx.Codec(bits=8, bucket_size=64, rounding="nearest")
-        >>> f = jax.pmap(lambda g: reduce_leaves([g], [codec], "i", with_loss=True),
+        >>> f = jax.pmap(lambda g: reduce_leaves([g], [codec], "i", with_residual=True),
         ...              axis_name="i")
-        >>> (total,), (lost,) = f(jnp.ones((1, 64)))
-        >>> float(total[0, 0]), float(lost[0, 0])
+        >>> (total,), (residual,) = f(jnp.ones((1, 64)))
+        >>> float(total[0, 0]), float(residual[0, 0])
         (1.0, 0.0)
     """
     check_choice("algorithm", algorithm, ALGORITHMS)
@@ -138,7 +138,7 @@ def reduce_leaves(leaves, codecs, axis_name, *, key=None, algorithm="auto", back
         seed_bits(key)  # validates the key type before it is folded
     check_processes_agree(plan.wire_settings())
     return run_plan(plan, leaves, axis_name, key=key, backend=backend,
-                    inner_axis_name=inner_axis_name, with_loss=with_loss)
+                    inner_axis_name=inner_axis_name, with_residual=with_residual)
 
 
 def _tree_codecs(leaves, treedef, codec, policy) -> list:
@@ -151,14 +151,14 @@ def _tree_codecs(leaves, treedef, codec, policy) -> list:
     return codecs
 
 
-def _reduce_tree(x, axis_name, *, codec, policy, with_loss, **settings):
+def _reduce_tree(x, axis_name, *, codec, policy, with_residual, **settings):
     flat_with_paths, treedef = jax.tree_util.tree_flatten_with_path(x)
     leaves = [jnp.asarray(leaf) for _, leaf in flat_with_paths]
     codecs = _tree_codecs(leaves, treedef, codec, policy)
-    out, lost = reduce_leaves(leaves, codecs, axis_name, with_loss=with_loss,
+    out, residual = reduce_leaves(leaves, codecs, axis_name, with_residual=with_residual,
                               paths=[path_name(p) for p, _ in flat_with_paths], **settings)
     result = jax.tree_util.tree_unflatten(treedef, out)
-    return (result, jax.tree_util.tree_unflatten(treedef, lost)) if with_loss else result
+    return (result, jax.tree_util.tree_unflatten(treedef, residual)) if with_residual else result
 
 
 def reduce_tree(x, axis_name, *, codec=None, policy=None, key=None, algorithm="auto",
@@ -173,12 +173,12 @@ def reduce_tree(x, axis_name, *, codec=None, policy=None, key=None, algorithm="a
         >>> float(f({"w": jnp.ones((1, 64))})["w"][0, 0])
         1.0
     """
-    return _reduce_tree(x, axis_name, codec=codec, policy=policy, with_loss=False, key=key,
+    return _reduce_tree(x, axis_name, codec=codec, policy=policy, with_residual=False, key=key,
                         algorithm=algorithm, backend=backend, mean=mean,
                         inner_axis_name=inner_axis_name)
 
 
-def reduce_tree_with_loss(x, axis_name, *, codec=None, policy=None, key=None,
+def reduce_tree_with_residual(x, axis_name, *, codec=None, policy=None, key=None,
                           algorithm="auto", backend="ffi", mean=False, inner_axis_name=None):
     """``reduce_tree`` and the tree of what this participant's own compression lost (f32
     leaves of the input's shapes, zero where exact): error feedback's next residual.
@@ -186,12 +186,12 @@ def reduce_tree_with_loss(x, axis_name, *, codec=None, policy=None, key=None,
     Example:
         >>> import jax, jax.numpy as jnp, cgx_jax as cgx
         >>> codec = cgx.Codec(bits=8, bucket_size=64, rounding="nearest")
-        >>> f = jax.pmap(lambda g: reduce_tree_with_loss(g, "i", codec=codec), axis_name="i")
-        >>> total, lost = f({"w": jnp.ones((1, 64))})
-        >>> float(total["w"][0, 0]), float(lost["w"][0, 0])
+        >>> f = jax.pmap(lambda g: reduce_tree_with_residual(g, "i", codec=codec), axis_name="i")
+        >>> total, residual = f({"w": jnp.ones((1, 64))})
+        >>> float(total["w"][0, 0]), float(residual["w"][0, 0])
         (1.0, 0.0)
     """
-    return _reduce_tree(x, axis_name, codec=codec, policy=policy, with_loss=True, key=key,
+    return _reduce_tree(x, axis_name, codec=codec, policy=policy, with_residual=True, key=key,
                         algorithm=algorithm, backend=backend, mean=mean,
                         inner_axis_name=inner_axis_name)
 

@@ -39,11 +39,11 @@ from cgx_jax._src.api import reduce_leaves, warn_nothing_compressed
 from cgx_jax._src.collectives.jax_compat import reshard, untyped_collectives
 from cgx_jax._src.policy import (
     LayerPolicy,
+    add_residual,
     check_policy,
     leaf_paths,
     policy_of,
     residual_shape,
-    with_residual,
 )
 from cgx_jax._src.sharded import WEIGHT_CODEC, finish_gather, gather_leaves, start_gather
 from cgx_jax._src.trees import combine, is_array, is_differentiable, partition
@@ -673,7 +673,7 @@ def _compressed_mean(call: _Call, grads, residual):
                                for spec, j in zip(in_specs, todo)) if residual_leaves else ()
         reduce = lambda key, *stacked: _reduce_rows(  # noqa: E731
             call, todo, todo_specs, key, stacked[:len(todo)], stacked[len(todo):])
-        mean, lost = jax.shard_map(
+        mean, new_residual = jax.shard_map(
             reduce, mesh=mesh, in_specs=(None if key is None else P(), *in_specs,
                                          *residual_specs),
             out_specs=(tuple(todo_specs), residual_specs))(
@@ -681,7 +681,7 @@ def _compressed_mean(call: _Call, grads, residual):
         for j, value in zip(todo, mean):
             out[j] = value
     out = jax.tree_util.tree_unflatten(treedef, out)
-    return out, (jax.tree_util.tree_unflatten(treedef, list(lost)) if residual_leaves
+    return out, (jax.tree_util.tree_unflatten(treedef, list(new_residual)) if residual_leaves
                  else None)
 
 
@@ -693,24 +693,24 @@ def _reduce_rows(call: _Call, todo, specs, key, stacked, residual_in):
     codecs = call.codecs
     local = [g[0] for g in stacked]
     if residual_in:
-        local = [with_residual(g, r[0]) for g, r in zip(local, residual_in)]
+        local = [add_residual(g, r[0]) for g, r in zip(local, residual_in)]
     _need_step([codecs[j] for j in todo], key)
-    reduced, lost = [None] * len(todo), [None] * len(todo)
+    reduced, residual = [None] * len(todo), [None] * len(todo)
     for number, (shard_axes, members) in enumerate(_noise_groups(specs, call.mesh).items()):
         group_key = key
         if key is not None and shard_axes:  # each distinct shard its own noise
             group_key = jax.random.fold_in(jax.random.fold_in(key, number),
                                            lax.axis_index(shard_axes))
-        means, errors = reduce_leaves(
+        means, residuals = reduce_leaves(
             [local[m] for m in members], [codecs[todo[m]] for m in members], call.axis_name,
             key=group_key, algorithm=call.algorithm, backend=call.backend, mean=True,
-            with_loss=bool(residual_in), paths=[call.paths[todo[m]] for m in members])
+            with_residual=bool(residual_in), paths=[call.paths[todo[m]] for m in members])
         for k, m in enumerate(members):
             reduced[m] = means[k]
             if residual_in:  # an exact leaf keeps its zero
-                lost[m] = (errors[k][None] if codecs[todo[m]] is not None
+                residual[m] = (residuals[k][None] if codecs[todo[m]] is not None
                            else residual_in[m])
-    return tuple(reduced), (tuple(lost) if residual_in else ())
+    return tuple(reduced), (tuple(residual) if residual_in else ())
 
 
 def _mean_when_partitioned(call: _Call, late, leaves):

@@ -20,14 +20,14 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from cgx_jax._src import flax_compat
 from cgx_jax._src.adaptive import schedule
-from cgx_jax._src.api import reduce_tree, reduce_tree_with_loss
+from cgx_jax._src.api import reduce_tree, reduce_tree_with_residual
 from cgx_jax._src.axes import axis_tuple
 from cgx_jax._src.policy import (
     LayerPolicy,
+    add_residual,
     check_policy,
     leaf_paths,
     residual_shape,
-    with_residual,
 )
 from cgx_jax._src.vma import check_local
 
@@ -128,7 +128,7 @@ def compressed_allreduce(axis_name, *, policy: LayerPolicy | None = None, mean: 
         # Before the residual is added: a varying residual would hide reduced gradients.
         check_local(updates, axis_name, leaf_paths(updates), "compressed_allreduce")
         if error_feedback:
-            updates = jax.tree.map(lambda g, r: with_residual(g, r[0]), updates,
+            updates = jax.tree.map(lambda g, r: add_residual(g, r[0]), updates,
                                    state.residual)
         stats = (None if adaptive is None else schedule.update_adaptive_state(
             state.adaptive, updates, axis_name, adaptive, policy))
@@ -137,11 +137,11 @@ def compressed_allreduce(axis_name, *, policy: LayerPolicy | None = None, mean: 
         if not error_feedback:
             return reduce_tree(updates, axis_name, **settings), CompressedAllReduceState(
                 key, None, stats)
-        reduced, lost = reduce_tree_with_loss(updates, axis_name, **settings)
+        reduced, new = reduce_tree_with_residual(updates, axis_name, **settings)
         # The residual keeps init's layout: a leaf the policy kept exact at init (or an
         # adaptive policy has since compressed) keeps its zero.
-        residual = jax.tree.map(lambda loss, r: loss[None] if r.shape[1:] == loss.shape else r,
-                                lost, state.residual)
+        residual = jax.tree.map(lambda n, r: n[None] if r.shape[1:] == n.shape else r,
+                                new, state.residual)
         return reduced, CompressedAllReduceState(key, residual, stats)
 
     transform = CompressedAllReduce(init_fn, update_fn)

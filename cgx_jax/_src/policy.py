@@ -199,12 +199,12 @@ def residual_shape(codec: Codec | None, shape) -> tuple:
     return tuple(shape) if codec is not None else (1,)
 
 
-def with_residual(grad, residual_row):
+def add_residual(grad, residual_row):
     """``grad`` plus this participant's residual row (f32 sums, the gradient's dtype back);
     ``grad`` unchanged where the residual is an exact leaf's one zero.
 
     Example:
-        >>> with_residual(jnp.ones(3), jnp.full(3, 0.5)).tolist(), with_residual(
+        >>> add_residual(jnp.ones(3), jnp.full(3, 0.5)).tolist(), add_residual(
         ...     jnp.ones(3), jnp.zeros(1)).tolist()
         ([1.5, 1.5, 1.5], [1.0, 1.0, 1.0])
     """

@@ -27,7 +27,7 @@ from cgx_jax._src.backends import get_backend
 from cgx_jax._src.codec import Codec
 from cgx_jax._src.collectives import (
     REDUCE_SCATTER,
-    Plan,
+    AllReduceSettings,
     allreduce_segments,
     num_phases,
     padding_multiple,
@@ -155,15 +155,15 @@ def plan_reduction(leaves, codecs, *, algorithm: str, num_participants: int,
 
 
 def run_plan(plan: ReductionPlan, leaves, axis_name, *, key, backend: str,
-             inner_axis_name=None, with_loss: bool = False):
-    """The reduced ``leaves`` (a list, the input's dtypes) and, with ``with_loss``, what this
+             inner_axis_name=None, with_residual: bool = False):
+    """The reduced ``leaves`` (a list, the input's dtypes) and, with ``with_residual``, what this
     participant's own compression lost of each (f32, zero for exact leaves; else None).
     Runs inside ``pmap``/``shard_map`` with the plan's axes bound; ``key`` may be None only
     when no segment rounds stochastically."""
     all_axes = axis_tuple(axis_name) + (() if inner_axis_name is None
                                         else axis_tuple(inner_axis_name))
     out = list(leaves)
-    lost = [jnp.zeros(leaf.shape, jnp.float32) for leaf in leaves] if with_loss else None
+    residual = [jnp.zeros(leaf.shape, jnp.float32) for leaf in leaves] if with_residual else None
     if plan.exact:
         reduce_exact = lax.pmean if plan.mean else lax.psum
         for i, value in zip(plan.exact, fusion.reduce_exact(
@@ -171,25 +171,26 @@ def run_plan(plan: ReductionPlan, leaves, axis_name, *, key, backend: str,
                 fuse=fusion.exact_fusion_pays())):
             out[i] = value
     if not plan.segments:
-        return out, lost
+        return out, residual
     seeds = segment_seeds(plan, key, axis_name, inner_axis_name)
     for batch in plan.batches:
         segments = [plan.segments[s] for s in batch]
         bufs = [plan.pack(segment, leaves) for segment in segments]
-        call = Plan(axis_name, tuple(s.codec for s in segments), plan.algorithm, backend,
-                    plan.num_participants, with_loss, inner_axis_name, divisor=plan.divisor)
-        totals, errors = allreduce_segments(bufs, seeds[batch[0]:batch[-1] + 1], call,
+        call = AllReduceSettings(axis_name, tuple(s.codec for s in segments), plan.algorithm,
+                                 backend, plan.num_participants, with_residual,
+                                 inner_axis_name, divisor=plan.divisor)
+        totals, residuals = allreduce_segments(bufs, seeds[batch[0]:batch[-1] + 1], call,
                                             tuple(s.length for s in segments))
-        for segment, total, error in zip(segments, totals, errors):
+        for segment, total, error in zip(segments, totals, residuals):
             shapes = [leaves[i].shape for i in segment.leaves]
             values = fusion.unpack(total, shapes, segment.codec.bucket_size)
             for i, value in zip(segment.leaves, values):
                 out[i] = value.astype(leaves[i].dtype)
-            if with_loss:
+            if with_residual:
                 for i, value in zip(segment.leaves, fusion.unpack(
                         error, shapes, segment.codec.bucket_size)):
-                    lost[i] = value
-    return out, lost
+                    residual[i] = value
+    return out, residual
 
 
 def segment_seeds(plan: ReductionPlan, key, axis_name, inner_axis_name=None):

@@ -415,20 +415,20 @@ def scatter_leaves(leaves, codecs, axis_name, *, dims, tiled: bool, key, backend
     """
     _need_key(codecs, key, paths, what)
     num = axis_size(axis_name)
-    rows = [_rows_of(leaf, dim, num) for leaf, dim in zip(leaves, dims)]
+    rows = [_participant_rows(leaf, dim, num) for leaf, dim in zip(leaves, dims)]
     plan = _agreed_plan(rows, codecs, REDUCE_SCATTER, num, what)
     out = run_scatter_plan(plan, rows, axis_name, key=key, backend=backend)
-    return [_unrows(value, dim, tiled) for value, dim in zip(out, dims)]
+    return [_from_participant_rows(value, dim, tiled) for value, dim in zip(out, dims)]
 
 
-def _rows_of(leaf, dim: int, num: int):
+def _participant_rows(leaf, dim: int, num: int):
     """``leaf`` as ``[N, k, *rest]``: row j the ``k`` slices along ``dim`` participant j owns
     (``k`` = 1 untiled)."""
     moved = jnp.moveaxis(leaf, dim, 0)
     return moved.reshape((num, moved.shape[0] // num) + moved.shape[1:])
 
 
-def _unrows(value, dim: int, tiled: bool):
+def _from_participant_rows(value, dim: int, tiled: bool):
     """This participant's ``[k, *rest]`` laid out as ``lax.psum_scatter``'s result: ``k``
     slices back at ``dim`` (tiled), or the one slice with ``dim`` gone."""
     return jnp.moveaxis(value, 0, dim) if tiled else value[0]

@@ -4,7 +4,7 @@ profile for ``cgx.estimate``: ``python -m cgx_jax.bench link --processes 4 --lin
 It times, across the real processes, ``lax.psum`` of f32 gradients and ``compressed_psum``
 (default algorithm, 2, 4 and 8 bits, the default bucket of 1024) at a few sizes, as one
 array and as the 80 leaves of a ViT (the allreduce benchmark's worker, ``--repeats`` timed
-calls after warm-up, medians), and fits the two lines of ``cgx_jax._src.planner``: the exact
+calls after warm-up, medians), and fits the two lines of ``cgx_jax._src.link_model``: the exact
 all-reduce's latency, seconds per byte and per extra leaf, the compressed one's latency,
 seconds per wire byte (the network) and seconds per value (the kernels on these CPUs,
 every process running them at once). The fit and its error per
@@ -28,7 +28,7 @@ import os
 import sys
 
 from cgx_jax._src.codec import Codec, wire_bytes
-from cgx_jax._src.planner import fit_profile
+from cgx_jax._src.link_model import fit_profile
 from cgx_jax.bench import allreduce
 from cgx_jax.bench.common import (
     add_worker_arguments,

@@ -352,13 +352,13 @@ void quantize_range(const QuantizeJob& job, int64_t begin, int64_t end) {
     const int64_t row = i / nb, bucket = i % nb;
     uint8_t* packet = job.packets + row * pbytes;
     const int64_t first = row * job.n + bucket * p.bucket_size;
-    // The values of this bucket that x (and lost) hold: fewer at the end of a short last row.
+    // The values of this bucket that x (and residual) hold: fewer at the end of a short last row.
     const int64_t keep = std::max<int64_t>(0, std::min(p.bucket_size, job.x_count - first));
     if (row == job.skip_row) {
       store_meta(packet, bucket, 0.0f, 0.0f);
       uint8_t* codes = codes_of(packet, nb, bucket, cbytes);
       std::fill(codes, codes + cbytes, uint8_t{0});
-      if (job.lost) std::fill(job.lost + first, job.lost + first + keep, 0.0f);
+      if (job.residual) std::fill(job.residual + first, job.residual + first + keep, 0.0f);
       continue;
     }
     const typename Tag::storage* values = x + first;
@@ -369,14 +369,14 @@ void quantize_range(const QuantizeJob& job, int64_t begin, int64_t end) {
     uint8_t* codes = codes_of(packet, nb, bucket, cbytes);
     quantize_bucket<Tag, true>(values, p, static_cast<uint32_t>(first), bucket, packet, codes,
                                levels.get());
-    if (job.lost) {
+    if (job.residual) {
       // Decoded from the bytes just written (still in cache) by the dequantize loop's own
       // code, so the loss is bitwise x - dequantize(packet) without a second pass over memory.
-      float* lost = job.lost + first;
+      float* residual = job.residual + first;
       dequantize_bucket(packet, bucket, codes, p.bits, p.bucket_size, levels.get(),
                         [&](int64_t j, float v) {
                           if (j < keep) {
-                            lost[j] = canonical_nan(
+                            residual[j] = canonical_nan(
                                 sub_rn(load_as_float(values, j, Tag{}), canonical_nan(v)));
                           }
                         });

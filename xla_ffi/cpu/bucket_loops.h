@@ -20,7 +20,7 @@ struct CodecParams {
 
 // x [rows, n] -> packets [rows, P]; work item i is bucket i % nb of row i / nb. Row
 // skip_row (when in range) is not encoded: its packet is all zero bytes. x holds x_count
-// values: the last row may be short, and a missing value reads as x[x_count - 1]. lost (when
+// values: the last row may be short, and a missing value reads as x[x_count - 1]. residual (when
 // not null; x_count values, like x) receives what the encoding lost, x - decode(packet) in
 // f32, exactly what dequantizing the packets and subtracting gives; 0 in row skip_row.
 struct QuantizeJob {
@@ -31,7 +31,7 @@ struct QuantizeJob {
   CodecParams codec;
   int64_t skip_row;
   uint8_t* packets;
-  float* lost;
+  float* residual;
 };
 
 // packets [rows, P] (row r's packet at packets + r * row_bytes) -> out [rows, n], each value

@@ -171,22 +171,22 @@ bool element_type_of(ffi::DataType dtype, ElementType* type) {
 // ---------------------------------------------------------------------------
 
 // quantize: x [rows, n] (the last row may be short) -> packets [rows, P]; row skip_row (if
-// in [0, rows)) -> zero bytes; lost (as many values as x, or none) -> x - decode(packets)
+// in [0, rows)) -> zero bytes; residual (as many values as x, or none) -> x - decode(packets)
 ffi::Error Quantize(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> seed,
                     ffi::Buffer<ffi::S32> skip_row, ffi::ResultBuffer<ffi::U8> packets,
-                    ffi::ResultBuffer<ffi::F32> lost, int64_t bits, int64_t bucket_size,
+                    ffi::ResultBuffer<ffi::F32> residual, int64_t bits, int64_t bucket_size,
                     bool stochastic, int64_t n) {
   int64_t rows = 0;
   if (auto e = check_quantize_args(bits, bucket_size, n, x.element_count(),
                                    seed.element_count(), skip_row.element_count(),
-                                   packets->dimensions(), lost->element_count(), &rows);
+                                   packets->dimensions(), residual->element_count(), &rows);
       e.failure())
     return e;
   QuantizeJob job{ElementType::kF32, x.untyped_data(), x.element_count(), n,
                   CodecParams{static_cast<int>(bits), bucket_size, stochastic,
                               seed.typed_data()[0], seed.typed_data()[1]},
                   skip_row.typed_data()[0], packets->typed_data(),
-                  lost->element_count() ? lost->typed_data() : nullptr};
+                  residual->element_count() ? residual->typed_data() : nullptr};
   if (!element_type_of(x.element_type(), &job.type)) return unsupported_dtype("x");
   if (rows * n == 0) return ffi::Error::Success();
   parallel_for(pool, rows * (n / bucket_size), bucket_size,

@@ -303,10 +303,10 @@ __device__ void encode_groups(Values values, int64_t groups, const BucketScale& 
 // What encoding lost of one group, x - decode(level) as the CPU's quantize writes it (the
 // dequantize kernel's decode): level 0 with the bucket's NaN meta for a non-finite bucket.
 __device__ __forceinline__ void lost8(const float (&v)[8], const uint32_t (&levels)[8],
-                                      float min, float unit, float (&lost)[8]) {
+                                      float min, float unit, float (&residual)[8]) {
 #pragma unroll
   for (int k = 0; k < 8; ++k)
-    lost[k] = canonical_nan(sub_rn(v[k], canonical_nan(decode_level(levels[k], min, unit))));
+    residual[k] = canonical_nan(sub_rn(v[k], canonical_nan(decode_level(levels[k], min, unit))));
 }
 
 // Code bytes of a bucket with a NaN or an infinity are all zero (its meta is NaN).
@@ -320,7 +320,7 @@ __device__ __forceinline__ Noise read_noise(bool stochastic, const uint32_t* __r
 }
 
 // ---------------------------------------------------------------------------
-// quantize: x [rows, n] -> packets [rows, P]; lost (x_count values, or null) -> x - decoded
+// quantize: x [rows, n] -> packets [rows, P]; residual (x_count values, or null) -> x - decoded
 // ---------------------------------------------------------------------------
 
 template <typename Tag, int TEAM>
@@ -328,8 +328,8 @@ __global__ void __launch_bounds__(kThreads)
     quantize_kernel(const typename Tag::storage* __restrict__ x, int64_t x_count, int64_t rows,
                     int64_t n, int bits, int64_t bucket_size, bool stochastic,
                     const uint32_t* __restrict__ seed, const int32_t* __restrict__ skip_row,
-                    uint8_t* __restrict__ out, float* __restrict__ lost, bool x_vectorized,
-                    bool lost_vectorized) {
+                    uint8_t* __restrict__ out, float* __restrict__ residual, bool x_vectorized,
+                    bool residual_vectorized) {
   const Team<TEAM> team;
   const Noise noise = read_noise(stochastic, seed);
   const int64_t skipped = static_cast<int64_t>(*skip_row);  // device scalar: read here
@@ -341,19 +341,19 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t row = i / nb, bucket = i % nb;
     const int64_t first = row * n + bucket * bucket_size;  // flat index: the noise counter
     const bool cut = first + bucket_size > x_count;  // the end of a short last row
-    // Writes group g's loss (the values lost holds of it).
+    // Writes group g's loss (the values residual holds of it).
     auto store_lost = [&](int64_t g, const float(&l)[8]) {
       if (cut) {
-        store8_clamped<F32>(lost, first + 8 * g, x_count, l);
+        store8_clamped<F32>(residual, first + 8 * g, x_count, l);
       } else {
-        store8<F32>(lost, first + 8 * g, lost_vectorized, l);
+        store8<F32>(residual, first + 8 * g, residual_vectorized, l);
       }
     };
     if (row == skipped) {  // not encoded: zero meta and codes; nothing lost
       uint8_t* packet = out + row * pbytes;
       if (team.rank == 0) store_meta(packet, bucket, 0.0f, 0.0f);
       zero_codes<TEAM>(packet + nb * kMetaBytesPerBucket + bucket * cbytes, cbytes, team.rank);
-      if (lost != nullptr && first < x_count) {
+      if (residual != nullptr && first < x_count) {
         const float zeros[8] = {};
         for (int64_t g = team.rank; g < groups; g += TEAM) store_lost(g, zeros);
       }
@@ -383,7 +383,7 @@ __global__ void __launch_bounds__(kThreads)
     if (team.rank == 0) store_meta(packet, bucket, s.min, s.unit);
     if (!finite) {
       zero_codes<TEAM>(codes, cbytes, team.rank);
-      if (lost != nullptr) {
+      if (residual != nullptr) {
         const uint32_t zero_levels[8] = {};
         for (int64_t g = team.rank; g < groups; g += TEAM) {
           float v[8], l[8];
@@ -397,7 +397,7 @@ __global__ void __launch_bounds__(kThreads)
     encode_groups<TEAM>(values, groups, s, bits, noise, static_cast<uint32_t>(first), codes,
                         team.rank,
                         [&](int64_t g, const float(&v)[8], const uint32_t(&levels)[8]) {
-                          if (lost == nullptr) return;
+                          if (residual == nullptr) return;
                           float l[8];
                           lost8(v, levels, s.min, s.unit, l);
                           store_lost(g, l);
@@ -665,12 +665,12 @@ ffi::Error launch_status(const char* kernel) {
 
 ffi::Error Quantize(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> seed,
                     ffi::Buffer<ffi::S32> skip_row, ffi::ResultBuffer<ffi::U8> packets,
-                    ffi::ResultBuffer<ffi::F32> lost, int64_t bits, int64_t bucket_size,
+                    ffi::ResultBuffer<ffi::F32> residual, int64_t bits, int64_t bucket_size,
                     bool stochastic, int64_t n) {
   int64_t rows = 0;
   if (auto e = check_quantize_args(bits, bucket_size, n, x.element_count(),
                                    seed.element_count(), skip_row.element_count(),
-                                   packets->dimensions(), lost->element_count(), &rows);
+                                   packets->dimensions(), residual->element_count(), &rows);
       e.failure())
     return e;
   if (rows * n == 0) return ffi::Error::Success();
@@ -686,8 +686,8 @@ ffi::Error Quantize(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::U32>
           static_cast<const typename Tag::storage*>(data), x.element_count(), rows, n,
           static_cast<int>(bits),
           bucket_size, stochastic, seed.typed_data(), skip_row.typed_data(),
-          packets->typed_data(), lost->element_count() ? lost->typed_data() : nullptr,
-          aligned_to(data, 16), aligned_to(lost->untyped_data(), 16));
+          packets->typed_data(), residual->element_count() ? residual->typed_data() : nullptr,
+          aligned_to(data, 16), aligned_to(residual->untyped_data(), 16));
     });
   });
   if (!supported) return unsupported_dtype("x");

@@ -139,7 +139,7 @@ def _codec_attrs(codec: Codec) -> dict:
 
 
 def quantize_rows(x: jax.Array, seed: jax.Array, codec: Codec, skip_row=None,
-                  n: int | None = None, *, with_lost: bool = False):
+                  n: int | None = None, *, with_residual: bool = False):
     """Encodes each row of ``x`` ``[rows, n]`` (f32/bf16/f16) as one packet -> ``uint8 [rows, P]``.
     ``seed`` is ``uint32[2]``; the stochastic noise of element ``(r, j)`` is keyed by the seed
     and the flat index ``r * n + j``. Row ``skip_row`` (an int32 scalar, may be traced; a
@@ -150,22 +150,23 @@ def quantize_rows(x: jax.Array, seed: jax.Array, codec: Codec, skip_row=None,
     the missing values are read as ``x``'s last one, so the packets are those of ``x`` padded
     with ``codec.pad_to_multiple``, without the padded copy.
 
-    ``with_lost``: returns ``(packets, lost)``, ``lost`` f32 of ``x``'s shape holding what the
-    encoding lost, ``x - dequantize_rows(packets)`` bit for bit (0 in row ``skip_row``),
-    written by the same kernel while the packet is in cache (error feedback's residual).
+    ``with_residual``: returns ``(packets, residual)``, ``residual`` f32 of ``x``'s shape
+    holding what the encoding lost, ``x - dequantize_rows(packets)`` bit for bit (0 in row
+    ``skip_row``), written by the same kernel while the packet is in cache (error feedback's
+    residual).
     """
     _register()
-    rows, n = _rows_of(x, n)
+    rows, n = _row_shape(x, n)
     skip_row = jnp.asarray(-1 if skip_row is None else skip_row, jnp.int32)
     outs = (jax.ShapeDtypeStruct((rows, packet_bytes(n, codec)), jnp.uint8),
-            jax.ShapeDtypeStruct(x.shape if with_lost else (0,), jnp.float32))
+            jax.ShapeDtypeStruct(x.shape if with_residual else (0,), jnp.float32))
     call = jax.ffi.ffi_call("cgx_quantize", outs, vmap_method="sequential")
-    packets, lost = call(x, seed, skip_row, stochastic=codec.stochastic, n=np.int64(n),
+    packets, residual = call(x, seed, skip_row, stochastic=codec.stochastic, n=np.int64(n),
                          **_codec_attrs(codec))
-    return (packets, lost) if with_lost else packets
+    return (packets, residual) if with_residual else packets
 
 
-def _rows_of(x, n):
+def _row_shape(x, n):
     """(rows, n) of ``x``: its shape ``[rows, n]``, or with ``n`` given ``ceil(size / n)`` rows
     (the last possibly short)."""
     if n is None:

@@ -53,17 +53,17 @@ def _full_rows(x, n):
     return pad_to_multiple(x.reshape(-1), n).reshape(-1, n)
 
 
-def quantize_rows(x, seed, codec: Codec, skip_row=None, n=None, *, with_lost=False):
+def quantize_rows(x, seed, codec: Codec, skip_row=None, n=None, *, with_residual=False):
     """Same contract as ``cgx_jax._src.backends.ffi.quantize_rows``."""
     packets = _encode_rows(x if n is None else _full_rows(x, n), seed, codec, skip_row)
-    if not with_lost:
+    if not with_residual:
         return packets
     n = x.shape[-1] if n is None else n
     flat = x.reshape(-1).astype(jnp.float32)
-    lost = flat - dequantize_rows(packets, codec, n, jnp.float32, size=x.size)
-    if skip_row is not None:  # the skipped row is not encoded: nothing of it is lost
-        lost = jnp.where(jnp.arange(x.size) // n == skip_row, 0.0, lost)
-    return packets, lost.reshape(x.shape)
+    residual = flat - dequantize_rows(packets, codec, n, jnp.float32, size=x.size)
+    if skip_row is not None:  # the skipped row is not encoded: nothing of it is residual
+        residual = jnp.where(jnp.arange(x.size) // n == skip_row, 0.0, residual)
+    return packets, residual.reshape(x.shape)
 
 
 def _encode_rows(x, seed, codec: Codec, skip_row):

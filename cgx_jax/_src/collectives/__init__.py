@@ -7,7 +7,7 @@ cross-process transport in ``transport``, the one use of JAX internals in ``jax_
 Each flat algorithm takes buffers already padded for it (``padding_multiple``; SRA and
 all-gather a list of segments sharing their collectives, the ring one buffer), this
 participant's index, seeds (one ``uint32[2]`` pair per quantization phase, per segment) and
-a backend (``cgx_jax._src.backends``), and returns the f32 sums and, with ``local_error=True``,
+a backend (``cgx_jax._src.backends``), and returns the f32 sums and, with ``with_residual=True``,
 what this participant's own compression lost (the input minus what its peers decoded of
 it; error feedback adds it to the next step's gradient), else ``None``. A ``divisor``
 above 1 (``compressed_pmean``) scales the sums by ``f32(1/divisor)`` in the kernel that
@@ -34,13 +34,13 @@ from cgx_jax._src.collectives.sra import reduce_scatter, scatter_reduce_allgathe
 
 
 def _ring_segments(bufs, lengths, axis_name, index, num_participants, seeds, codecs, backend,
-                   local_error=False, divisor=1):
+                   with_residual=False, divisor=1):
     """The ring in the segments' calling convention; it takes one segment."""
     del lengths  # the ring's one buffer is padded whole
     (buf,), (seeds,), (codec,) = bufs, seeds, codecs
-    total, error = ring_reduce(buf, axis_name, index, num_participants, seeds, codec, backend,
-                               local_error=local_error, divisor=divisor)
-    return [total], (None if error is None else [error])
+    total, residual = ring_reduce(buf, axis_name, index, num_participants, seeds, codec, backend,
+                               with_residual=with_residual, divisor=divisor)
+    return [total], (None if residual is None else [residual])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,8 +52,8 @@ class Algorithm:
     rows the kernels view each segment as when several segments of any codecs share one set
     of collectives (SRA N chunks, all-gather one packet), or None when it takes one padded
     buffer per codec. ``phases(N)``: the seed pairs it consumes (one per quantization). ``run``
-    takes ``(bufs, lengths, axis_name, index, N, seeds, codecs, backend, local_error=,
-    divisor=)`` and returns ``(sums, errors or None)``, one per segment.
+    takes ``(bufs, lengths, axis_name, index, N, seeds, codecs, backend, with_residual=,
+    divisor=)`` and returns ``(sums, residuals or None)``, one per segment.
     """
 
     chunked: bool
@@ -76,7 +76,7 @@ ALGORITHMS = (*REGISTRY, "auto")
 # The compressed reduce-scatter (``compressed_psum_scatter``) is planned like the all-reduce
 # algorithms: SRA's first half, its segments N rows of whole buckets (row j of every leaf
 # side by side, ``fusion.pack(by_rows=True)``), one quantization. Its ``run`` is
-# ``sra.reduce_scatter``: each participant's chunk of each segment, no errors.
+# ``sra.reduce_scatter``: each participant's chunk of each segment, no residuals.
 REDUCE_SCATTER = "reduce_scatter"
 LAYOUTS = {**REGISTRY, REDUCE_SCATTER: Algorithm(chunked=True, rows=lambda n: n,
                                                  phases=lambda n: 1, run=reduce_scatter)}
@@ -122,7 +122,7 @@ def padding_multiple(algorithm: str, codec: Codec, num_participants: int) -> int
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
+class AllReduceSettings:
     """Everything static about one all-reduce of fused segments: ``codecs`` one per segment
     (SRA and all-gather carry segments of several codecs in one set of collectives; the ring
     and the hierarchical reduction take one segment), ``algorithm`` is resolved (not
@@ -136,7 +136,7 @@ class Plan:
     algorithm: str
     backend: str
     num_participants: int
-    local_error: bool
+    with_residual: bool
     inner_axis_name: Hashable = None
     divisor: int = 1
 
@@ -161,50 +161,51 @@ def segment_rows(algorithm: str, num_participants: int, hierarchical: bool) -> i
     return None if hierarchical else LAYOUTS[algorithm].rows(num_participants)
 
 
-def _reduce_flat(bufs, lengths, seeds, plan: Plan, index):
-    """The plan's flat algorithm over ``plan.axis_name`` -> (sums, errors or None), one per
-    segment."""
-    return REGISTRY[plan.algorithm].run(
-        bufs, lengths, plan.axis_name, index, plan.num_participants, seeds, plan.codecs,
-        get_backend(plan.backend), local_error=plan.local_error, divisor=plan.divisor)
+def _reduce_flat(bufs, lengths, seeds, settings: AllReduceSettings, index):
+    """The flat algorithm of ``settings`` over ``settings.axis_name`` -> (sums, residuals or
+    None), one per segment."""
+    return REGISTRY[settings.algorithm].run(
+        bufs, lengths, settings.axis_name, index, settings.num_participants, seeds,
+        settings.codecs, get_backend(settings.backend), with_residual=settings.with_residual,
+        divisor=settings.divisor)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3))
-def allreduce_segments(bufs, seeds, plan: Plan, lengths: tuple):
-    """The compressed sums (scaled for ``plan.divisor``) of the segments ``bufs`` (a list of
-    flat f32 buffers; ``seeds uint32[segments, phases, 2]``) over ``plan.all_axes`` ->
-    ``(f32 sums, local compression errors)``, lists like ``bufs`` (the errors empty arrays
-    without ``local_error``); differentiable as an exact ``psum`` (or ``pmean``; straight-
+def allreduce_segments(bufs, seeds, settings: AllReduceSettings, lengths: tuple):
+    """The compressed sums (scaled for ``settings.divisor``) of the segments ``bufs`` (a list of
+    flat f32 buffers; ``seeds uint32[segments, phases, 2]``) over ``settings.all_axes`` ->
+    ``(f32 sums, local compression residuals)``, lists like ``bufs`` (the residuals empty arrays
+    without ``with_residual``); differentiable as an exact ``psum`` (or ``pmean``; straight-
     through). ``lengths``
     are the lengths the algorithm sees, padded for it: a buffer is that long, or (with
     ``segment_rows``) short within its last row (``fusion.pack``). More than one segment
     needs ``segment_rows``."""
-    index = lax.axis_index(plan.axis_name)
-    if plan.inner_axis_name is None:
-        totals, errors = _reduce_flat(bufs, lengths, seeds, plan, index)
+    index = lax.axis_index(settings.axis_name)
+    if settings.inner_axis_name is None:
+        totals, residuals = _reduce_flat(bufs, lengths, seeds, settings, index)
     else:
         (buf,) = bufs
 
         def reduce_outer(piece):
-            (total,), errors = _reduce_flat([piece], (piece.size,), seeds, plan, index)
-            return total, (None if errors is None else errors[0])
+            (total,), residuals = _reduce_flat([piece], (piece.size,), seeds, settings, index)
+            return total, (None if residuals is None else residuals[0])
 
-        total, error = hierarchical_reduce(buf, plan.inner_axis_name, reduce_outer)
-        totals, errors = [total], (None if error is None else [error])
-    if errors is None:
-        errors = [jnp.zeros((0,), jnp.float32) for _ in bufs]
-    return totals, errors
+        total, residual = hierarchical_reduce(buf, settings.inner_axis_name, reduce_outer)
+        totals, residuals = [total], (None if residual is None else [residual])
+    if residuals is None:
+        residuals = [jnp.zeros((0,), jnp.float32) for _ in bufs]
+    return totals, residuals
 
 
 @allreduce_segments.defjvp
-def _allreduce_segments_jvp(plan, lengths, primals, tangents):
+def _allreduce_segments_jvp(settings, lengths, primals, tangents):
     # Straight-through: the derivative of a (compressed) sum is the exact sum of tangents,
     # whose transpose is again a psum, so jax.grad works through compressed_psum.
     bufs, seeds = primals
-    totals, errors = allreduce_segments(bufs, seeds, plan, lengths)
+    totals, residuals = allreduce_segments(bufs, seeds, settings, lengths)
     # Under shard_map both are typed invariant over the reduced axes (the algorithms end in
     # an invariant gather), so jax.grad of a per-participant loss counts it once, as for psum.
-    tangent = lax.psum(list(tangents[0]), plan.all_axes)
-    if plan.divisor != 1:
-        tangent = [t / jnp.float32(plan.divisor) for t in tangent]
-    return (totals, errors), (tangent, [jnp.zeros_like(e) for e in errors])
+    tangent = lax.psum(list(tangents[0]), settings.all_axes)
+    if settings.divisor != 1:
+        tangent = [t / jnp.float32(settings.divisor) for t in tangent]
+    return (totals, residuals), (tangent, [jnp.zeros_like(e) for e in residuals])

@@ -8,7 +8,7 @@ from cgx_jax._src.collectives.transport import column_offsets, gather_packets
 
 
 def allgather_reduce(bufs, lengths, axis_name, index, num_participants, seeds, codecs, backend,
-                     local_error=False, divisor=1):
+                     with_residual=False, divisor=1):
     """All-gather of the segments ``bufs`` (each seen as one row of ``length`` values, which
     the buffer may fall short of; ``seeds`` one ``[2, 2]`` pair and ``codecs`` one codec per
     segment): quantize each segment once, gather every participant's packets (one packet per
@@ -17,14 +17,14 @@ def allgather_reduce(bufs, lengths, axis_name, index, num_participants, seeds, c
     Traffic: N-1 packets per participant; each value quantized once.
 
     Returns the segments' f32 sums (each as long as its buffer, times ``f32(1/divisor)``) and,
-    with ``local_error``, their errors (else None)."""
-    encoded = [backend.quantize_rows(buf, s[0], codec, n=length, with_lost=local_error)
+    with ``with_residual``, their residuals (else None)."""
+    encoded = [backend.quantize_rows(buf, s[0], codec, n=length, with_residual=with_residual)
                for buf, s, codec, length in zip(bufs, seeds, codecs, lengths)]
-    packets = [e[0] for e in encoded] if local_error else encoded
+    packets = [e[0] for e in encoded] if with_residual else encoded
     gathered = gather_packets(jnp.concatenate(packets, axis=1)[0], axis_name, num_participants)
     totals = [backend.reduce_requantize(gathered, None, index, s[1], codec, length,
                                         emit_packet=False, emit_sum=True, offset=offset,
                                         sum_size=buf.size, divisor=divisor)[1]
               for buf, s, codec, length, offset in zip(bufs, seeds, codecs, lengths,
                                                        column_offsets(packets))]
-    return totals, ([e[1] for e in encoded] if local_error else None)
+    return totals, ([e[1] for e in encoded] if with_residual else None)

@@ -1,7 +1,7 @@
-"""The planner: ``fit_profile`` recovers the costs that generated a set of timings,
-``cgx.estimate`` adds them up per leaf as a numpy reference does, and says plainly when
-compression does not pay and why; ``python -m cgx_jax.bench link`` measures and writes a
-profile across real processes."""
+"""The link model (does compression pay here?): ``fit_profile`` recovers the costs that
+generated a set of timings, ``cgx.estimate`` adds them up per leaf as a numpy reference
+does, and says plainly when compression does not pay and why; ``python -m cgx_jax.bench
+link`` measures and writes a profile across real processes."""
 
 import json
 import math
@@ -15,7 +15,7 @@ import pytest
 
 import cgx_jax as cgx
 from cgx_jax._src.codec import Codec, wire_bytes
-from cgx_jax._src.planner import PAYS_FRACTION, LinkProfile, default_policies, fit_profile
+from cgx_jax._src.link_model import PAYS_FRACTION, LinkProfile, default_policies, fit_profile
 
 TRUE = dict(exact_latency=2e-3, seconds_per_byte=8e-9, compressed_latency=5e-3,
             seconds_per_wire_byte=9e-9, seconds_per_value=1.5e-9, seconds_per_leaf=5e-3)
@@ -192,7 +192,7 @@ def test_estimate_takes_a_saved_profile_and_refuses_bad_policies(tmp_path):
 
 
 def test_bench_link_writes_a_profile_across_processes(tmp_path):
-    """Two processes on loopback, small sizes: a profile the planner loads, with the
+    """Two processes on loopback, small sizes: a profile the link model loads, with the
     measurements it was fitted to, all costs non-negative."""
     out = str(tmp_path / "link_{link}.json")
     done = subprocess.run(
