@@ -26,7 +26,7 @@ from processes import (
 )
 
 from cgx_jax import launch
-from cgx_jax._src import netem
+from cgx_jax._src import netem, supervisor
 
 
 def test_failing_process_stops_the_launch(tmp_path):
@@ -211,7 +211,7 @@ def test_the_timeout_bounds_all_attempts_together():
 def test_the_ranks_the_coordination_service_lost_are_read_from_its_message(lines, lost):
     seen, sink = set(), io.StringIO()
     pipe = io.BytesIO("".join(f"{line}\n" for line in lines).encode())
-    launch._Forwarder(pipe, sink, "[rank 0] ", threading.Lock(), [], seen).run()
+    supervisor._Forwarder(pipe, sink, "[rank 0] ", threading.Lock(), [], seen).run()
     assert seen == lost
     assert sink.getvalue().splitlines() == [f"[rank 0] {line}" for line in lines]
 
@@ -219,7 +219,7 @@ def test_the_ranks_the_coordination_service_lost_are_read_from_its_message(lines
 @pytest.mark.parametrize("ranks, text", [([3], "rank 3"), ([0, 1, 2, 3], "ranks 0-3"),
                                          ([0, 1, 2, 5], "ranks 0-2, 5"), ([0, 2], "ranks 0, 2")])
 def test_ranks_are_named_in_runs(ranks, text):
-    assert launch._ranks(ranks) == text
+    assert supervisor._ranks(ranks) == text
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl is Linux's")
@@ -255,23 +255,20 @@ def test_processes_die_with_a_launcher_killed_by_sigkill():
 # --link
 # ---------------------------------------------------------------------------
 
-LINK_PREFIX = "cgxtl"  # not the launcher's default, so a launch running meanwhile is safe
-LINK_ARGS = ("--link", "1gbit", "--netns-prefix", LINK_PREFIX, "--subnet", "10.213.78")
-
-
-def link_namespaces():
-    return netem.namespaces(LINK_PREFIX)
+# Each --link test has namespaces and a subnet of its own (none the launcher's default), so
+# they can run beside each other (xdist) and beside a launch running meanwhile.
+def link_args(prefix, subnet):
+    return ("--link", "1gbit", "--netns-prefix", prefix, "--subnet", subnet)
 
 
 @needs_netns
 def test_link_runs_each_process_in_its_namespace_bitwise(tmp_path):
-    assert not link_namespaces(), f"stale namespaces: {link_namespaces()}"
-    done, _ = launch_worker(2, 1, tmp_path, "flat", extra=LINK_ARGS)
+    assert not netem.namespaces("cgxtl"), f"stale namespaces: {netem.namespaces('cgxtl')}"
+    done, _ = launch_worker(2, 1, tmp_path, "flat", extra=link_args("cgxtl", "10.213.78"))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert f"network namespaces {LINK_PREFIX}0.., 1gbit links; coordinator 10.213.78.1:" in (
-        done.stderr)
+    assert "network namespaces cgxtl0.., 1gbit links; coordinator 10.213.78.1:" in done.stderr
     assert_bitwise_equal(gather_results(tmp_path, 2), single_process(2))
-    assert not link_namespaces()
+    assert not netem.namespaces("cgxtl")
 
 
 @needs_netns
@@ -279,12 +276,10 @@ def test_a_rank_that_loses_its_link_is_named_within_the_heartbeat_timeout(tmp_pa
     """Rank 1 takes its link down: nothing exits until jax.distributed's coordination service
     (on rank 0) misses its heartbeats and stops everyone, rank 0 first. The launcher names
     rank 1, and the run ends about a heartbeat timeout after the cut."""
-    # Namespaces of its own, so it can run beside the other --link tests (xdist).
     prefix = "cgxtc"
     assert not netem.namespaces(prefix), f"stale namespaces: {netem.namespaces(prefix)}"
     done, seconds = launch_worker(2, 1, tmp_path, "cut", timeout=90, extra=(
-        "--link", "1gbit", "--netns-prefix", prefix, "--subnet", "10.213.79",
-        "--heartbeat-timeout", "5"))
+        *link_args(prefix, "10.213.79"), "--heartbeat-timeout", "5"))
     assert done.returncode != 0
     # Named as lost; or, where rank 1's own agent gave up and it exited before rank 0 said
     # so, named as the first to exit.
@@ -300,29 +295,31 @@ def test_a_rank_that_loses_its_link_is_named_within_the_heartbeat_timeout(tmp_pa
 @needs_netns
 def test_link_process_sees_its_own_address():
     done = subprocess.run(
-        [sys.executable, "-m", "cgx_jax.launch", "-n", "2", *LINK_ARGS, "--",
-         "sh", "-c", "getent hosts $(hostname)"], capture_output=True, text=True, timeout=60)
+        [sys.executable, "-m", "cgx_jax.launch", "-n", "2", *link_args("cgxta", "10.213.80"),
+         "--", "sh", "-c", "getent hosts $(hostname)"], capture_output=True, text=True,
+        timeout=60)
     assert done.returncode == 0, done.stderr
     for rank in range(2):  # Gloo binds to what the host name resolves to
-        assert f"[rank {rank}] 10.213.78.{rank + 1} " in done.stdout
-    assert not link_namespaces()
+        assert f"[rank {rank}] 10.213.80.{rank + 1} " in done.stdout
+    assert not netem.namespaces("cgxta")
 
 
 @needs_netns
 def test_link_sigterm_stops_processes_and_removes_network():
     process = subprocess.Popen(
-        [sys.executable, "-m", "cgx_jax.launch", "-n", "2", "--grace", "1", *LINK_ARGS, "--",
-         "sleep", "60"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        [sys.executable, "-m", "cgx_jax.launch", "-n", "2", "--grace", "1",
+         *link_args("cgxts", "10.213.81"), "--", "sleep", "60"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 30
-    while len(link_namespaces()) < 3 and time.monotonic() < deadline:
+    while len(netem.namespaces("cgxts")) < 3 and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert len(link_namespaces()) == 3  # two ranks and the hub
+    assert len(netem.namespaces("cgxts")) == 3  # two ranks and the hub
     time.sleep(0.5)
     process.send_signal(signal.SIGTERM)
     _, stderr = process.communicate(timeout=30)
     assert process.returncode == 130, stderr
     assert "interrupted; stopping all processes" in stderr
-    assert not link_namespaces()
+    assert not netem.namespaces("cgxts")
 
 
 def test_link_without_namespaces_runs_unshaped_and_says_so(monkeypatch):

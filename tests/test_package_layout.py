@@ -70,7 +70,9 @@ LAYERS = [
     ["codec"], ["axes"], ["validation"], ["flax_compat"], ["trees"], ["seeds"], ["memory"],
     ["backends"], ["collectives"], ["vma"], ["fusion"], ["policy"], ["link_model"],
     ["consistency"], ["reduction"], ["api"], ["sharded"], ["data_parallel"], ["adaptive"],
-    ["optax_transform"], ["launch", "launch_child", "launch_site", "netem"], ["bench"],
+    ["optax_transform"],
+    ["launch", "launch_child", "launch_site", "netem", "ranks", "worker", "supervisor"],
+    ["bench"],
 ]
 
 
