@@ -68,9 +68,9 @@ def test_there_is_no_import_cycle():
 # only modules of its own row or of rows above it. A new module gets its row here.
 LAYERS = [
     ["codec"], ["axes"], ["validation"], ["flax_compat"], ["trees"], ["seeds"], ["memory"],
-    ["backends"], ["collectives"], ["vma"], ["fusion"], ["policy"], ["link_model"],
-    ["consistency"], ["reduction"], ["api"], ["sharded"], ["data_parallel"], ["adaptive"],
-    ["optax_transform"],
+    ["backends"], ["collectives"], ["layouts"], ["vma"], ["fusion"], ["policy"], ["link_model"],
+    ["consistency"], ["reduction"], ["api"], ["sharded"], ["fsdp"], ["data_parallel"],
+    ["adaptive"], ["optax_transform"],
     ["launch", "launch_child", "launch_site", "netem", "ranks", "worker", "supervisor"],
     ["bench"],
 ]

@@ -22,7 +22,6 @@ as ``jax.value_and_grad``'s would, so ``optimizer.update`` and Optax apply uncha
 from __future__ import annotations
 
 import dataclasses
-import functools
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -34,9 +33,10 @@ from jax import lax
 from jax.experimental.custom_partitioning import SdyShardingRule, custom_partitioning
 from jax.sharding import AxisType, Mesh, PartitionSpec as P
 
-from cgx_jax._src import flax_compat
+from cgx_jax._src import flax_compat, fsdp
 from cgx_jax._src.api import reduce_leaves, warn_nothing_compressed
 from cgx_jax._src.collectives.jax_compat import reshard, untyped_collectives
+from cgx_jax._src.layouts import axis_type, lay_out, spec_axes
 from cgx_jax._src.policy import (
     LayerPolicy,
     add_residual,
@@ -45,14 +45,10 @@ from cgx_jax._src.policy import (
     policy_of,
     residual_shape,
 )
-from cgx_jax._src.sharded import WEIGHT_CODEC, finish_gather, gather_leaves, start_gather
+from cgx_jax._src.sharded import WEIGHT_CODEC
 from cgx_jax._src.trees import combine, is_array, is_differentiable, partition
 from cgx_jax._src.validation import check_choice
-from cgx_jax._src.vma import local_value_and_grad, to_local
-
-# The noise of the FSDP weights' gather (and its gradients' reduce-scatter), folded into the
-# step's key apart from the noise groups of the compressed mean (which fold small numbers).
-_GATHER_STREAM = 0x6A7E
+from cgx_jax._src.vma import local_value_and_grad
 
 
 def _param_specs(grads, param_specs):
@@ -68,16 +64,6 @@ def _param_specs(grads, param_specs):
         return jax.tree.map(lambda _: P(), node)
 
     return jax.tree.map(annotated, grads, is_leaf=flax_compat.is_state)
-
-
-def _axis_type(mesh, name):
-    return mesh.axis_types[mesh.axis_names.index(name)]
-
-
-def _axis_names(spec) -> list:
-    """The mesh axes a ``PartitionSpec`` names (an entry may name several, or none)."""
-    return [name for entry in spec if entry is not None
-            for name in (entry if isinstance(entry, tuple) else (entry,))]
 
 
 def _data_dim(spec, axis_name, path) -> int | None:
@@ -361,7 +347,7 @@ def _visible_specs(params) -> list:
         elif not isinstance(x, jax.core.Tracer) and isinstance(
                 getattr(x, "sharding", None), jax.sharding.NamedSharding):
             out.append(x.sharding.spec)
-        elif isinstance(x, jax.core.Tracer) and not _axis_names(jax.typeof(x).sharding.spec):
+        elif isinstance(x, jax.core.Tracer) and not spec_axes(jax.typeof(x).sharding.spec):
             out.append(None)
         else:
             out.append(jax.typeof(x).sharding.spec)
@@ -381,7 +367,7 @@ def _automatic_axes(mesh, axis_name) -> list:
     """The mesh's automatic axes of size > 1 besides ``axis_name``: where a traced array's
     layout is decided after tracing."""
     return [a for a in mesh.axis_names if a != axis_name and mesh.shape[a] > 1
-            and _axis_type(mesh, a) == AxisType.Auto]
+            and axis_type(mesh, a) == AxisType.Auto]
 
 
 def _specs_for_residual(call: _Call) -> list:
@@ -422,12 +408,12 @@ def _step_key(step, seed: int):
 def _local_gradients(call: _Call, flat_args):
     """Stage 1: each participant's loss and gradient, manual over the data axis only. FSDP
     parameters arrive as this participant's shard and are gathered whole (compressed) inside
-    the differentiated loss (``_gathering_loss``); their gradients leave reduce-scattered
+    the differentiated loss (``fsdp.gathering_loss``); their gradients leave reduce-scattered
     (compressed) and averaged, the data dimension moved first. Returns the loss (averaged),
     the gradients stacked one row per participant (an FSDP leaf: its shards, as rows), and
     the NNX modules' other state."""
     mesh, axis_name, positions = call.mesh, call.axis_name, call.positions
-    in_specs = tuple(_input_specs(call, i, arg) if i in positions else P(axis_name)
+    in_specs = tuple(fsdp.input_specs(call, i, arg) if i in positions else P(axis_name)
                      for i, arg in enumerate(flat_args))
 
     def local(key, *local_args):
@@ -440,8 +426,9 @@ def _local_gradients(call: _Call, flat_args):
             local_args[i] = modules[i] = flax_compat.nnx().merge(graph, local_args[i])
         _need_step([call.codecs[j] for j in call.fsdp], key)
         out, grads = _with_clear_constraint_errors(
-            lambda: local_value_and_grad(_gathering_loss(call_here), axis_name, argnums=positions,
-                                         has_aux=call.has_aux)(*local_args), axis_name)
+            lambda: local_value_and_grad(fsdp.gathering_loss(call_here), axis_name,
+                                         argnums=positions, has_aux=call.has_aux)(*local_args),
+            axis_name)
         out = jax.tree.map(lambda v: lax.pmean(v, axis_name), out)
         leaves, treedef = jax.tree_util.tree_flatten(grads)
         # An FSDP leaf's gradient is this participant's shard of the sum: averaged, its data
@@ -450,7 +437,7 @@ def _local_gradients(call: _Call, flat_args):
         # gathered whole over 'model').
         num = mesh.shape[axis_name]
         stacked = [jnp.moveaxis((g.astype(jnp.float32) / num).astype(g.dtype), call.fsdp[j], 0)
-                   if j in call.fsdp else _lay_out(g, spec, mesh)[None]
+                   if j in call.fsdp else lay_out(g, spec, mesh)[None]
                    for j, (g, spec) in enumerate(zip(leaves, call.specs))]
         # The modules' other state, agreed over the data axis by local_value_and_grad.
         states = {}
@@ -460,129 +447,11 @@ def _local_gradients(call: _Call, flat_args):
         return out, jax.tree_util.tree_unflatten(treedef, stacked), states
 
     out_specs = (P(), P(axis_name), P())
-    if _axis_type(mesh, axis_name) == AxisType.Explicit:  # shard_map wants them split
+    if axis_type(mesh, axis_name) == AxisType.Explicit:  # shard_map wants them split
         flat_args = [arg if i in positions else jax.tree.map(
             lambda x: _split_rows(x, mesh, axis_name), arg) for i, arg in enumerate(flat_args)]
     return jax.shard_map(local, mesh=mesh, in_specs=(None if call.key is None else P(), *in_specs),
                          out_specs=out_specs, axis_names={axis_name})(call.key, *flat_args)
-
-
-def _input_specs(call: _Call, i: int, arg):
-    """The stage-1 ``in_specs`` tree of the differentiated argument ``arg`` at position
-    ``i``: ``P()`` (replicated over the data axis), an FSDP leaf split over it along its
-    dimension."""
-    def spec(path, _):
-        leaf = call.fsdp_paths[i].get(jax.tree_util.keystr(path))
-        if leaf is None:
-            return P()
-        return P(*([None] * call.fsdp[leaf]), call.axis_name)
-
-    return jax.tree_util.tree_map_with_path(spec, arg)
-
-
-def _gathering_loss(call: _Call):
-    """``call.loss`` that first gathers its FSDP parameters' shards whole, each with its own
-    compressed all-gather, whose VJP reduce-scatters that parameter's gradient (compressed,
-    summed over the data axis) as soon as the backward pass has produced it."""
-    if not call.fsdp:
-        return call.loss
-    nnx = flax_compat.nnx
-
-    def loss(*args):
-        args, modules = list(args), {}
-        for i, by_path in call.fsdp_paths.items():
-            if not by_path:
-                continue
-            if i in call.graphs:
-                graph, state = nnx().split(args[i])
-                modules[i] = args[i]
-                at_use = call.keep_for_backward == "packets"
-                gathered = (_decoding_at_use(call, i, state) if at_use
-                            else _gather_fsdp_leaves(call, i, state))
-                args[i] = nnx().merge(graph, gathered)
-            else:
-                args[i] = _gather_fsdp_leaves(call, i, args[i])
-        out = call.loss(*args)
-        for i, module in modules.items():  # its other state, as the loss left it
-            nnx().update(module, nnx().state(args[i], nnx().Not(nnx().Param)))
-        return out
-
-    return loss
-
-
-def _gather_fsdp_leaves(call: _Call, i: int, tree):
-    """``tree`` (argument ``i`` as it travelled) with its FSDP shards gathered whole over the
-    data axis (``weight_codecs``; their gradients reduce-scattered with ``codecs``), one
-    gather each, so that the backward pass reduce-scatters each gradient as soon as it has
-    it: one custom VJP for all would hold every full gradient until the last
-    (docs/performance.md measures both)."""
-    by_path = call.fsdp_paths[i]
-    flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    leaves = [leaf for _, leaf in flat]
-    for n, (path, shard) in enumerate(flat):
-        j = by_path.get(jax.tree_util.keystr(path))
-        if j is not None:
-            leaves[n] = _gather_fsdp_leaf(call, j, shard, _gather_key(call, j))
-    return jax.tree_util.tree_unflatten(treedef, leaves)
-
-
-def _decoding_at_use(call: _Call, i: int, state):
-    """``state`` (an NNX module's, as it travelled) whose FSDP parameters sharded over the
-    data axis alone hold their shard and its gathered packets, and are decoded wherever the
-    model reads them (``flax_compat.decoded_at_use``); the others gathered as
-    ``_gather_fsdp_leaves`` gathers them."""
-    by_path = call.fsdp_paths[i]
-    flat = jax.tree_util.tree_flatten_with_path(state)[0]
-    variables, treedef = jax.tree_util.tree_flatten(state, is_leaf=flax_compat.is_variable)
-    for n, (path, shard) in enumerate(flat):
-        j = by_path.get(jax.tree_util.keystr(path))
-        if j is None:
-            continue
-        leaf_key = _gather_key(call, j)
-        if _axis_names(call.specs[j]) != [call.axis_name]:  # blocks: gathered at the start
-            variables[n] = variables[n].copy(_gather_fsdp_leaf(call, j, shard, leaf_key))
-            continue
-        settings, packets = start_gather(
-            [shard], [call.weight_codecs[j]], call.axis_name, key=leaf_key,
-            grad_codecs=[call.codecs[j]], backend=call.backend, paths=[call.paths[j]])
-        decode = functools.partial(_decode_one, settings, call.fsdp[j])
-        variables[n] = flax_compat.decoded_at_use((shard, packets, leaf_key), decode)
-    return jax.tree_util.tree_unflatten(treedef, variables)
-
-
-def _decode_one(settings, dim: int, shard, packets, key):
-    return finish_gather(settings, [shard], packets, key, axes=[dim], tiled=True)[0]
-
-
-def _gather_key(call: _Call, j: int):
-    """The noise key of FSDP leaf ``j``'s gather and of its gradient's reduce-scatter."""
-    if call.key is None:
-        return None
-    return jax.random.fold_in(jax.random.fold_in(call.key, _GATHER_STREAM), j)
-
-
-def _gather_fsdp_leaf(call: _Call, j: int, shard, key):
-    """FSDP leaf ``j`` gathered whole over the data axis by ``sharded.gather_leaves``. A leaf
-    also sharded over other mesh axes is gathered block by block, in a ``shard_map`` manual
-    over those axes (else XLA would gather each block whole, in f32, to feed the kernels),
-    each block drawing its own noise."""
-    def gather(block, key):
-        return gather_leaves([block], [call.weight_codecs[j]], call.axis_name,
-                             axes=[call.fsdp[j]], tiled=True, key=key,
-                             grad_codecs=[call.codecs[j]], backend=call.backend,
-                             paths=[call.paths[j]])[0]
-
-    other = P(*(None if d == call.fsdp[j] else entry for d, entry in enumerate(call.specs[j])))
-    axes = tuple(a for a in call.mesh.axis_names if a in _axis_names(other))
-    if not axes:
-        return gather(shard, key)
-
-    def on_block(block):
-        block_key = None if key is None else jax.random.fold_in(key, lax.axis_index(axes))
-        return to_local(gather(block, block_key), axes)
-
-    return jax.shard_map(on_block, in_specs=other, out_specs=other, axis_names=set(axes))(
-        _lay_out(shard, other, call.mesh))
 
 
 def _need_step(codecs, key) -> None:
@@ -592,16 +461,6 @@ def _need_step(codecs, key) -> None:
             "e.g. optimizer.step[...] of an nnx.Optimizer, or a counter in your train "
             "state): the policy rounds stochastically and its noise is folded from the "
             "step, so it must not repeat")
-
-
-def _lay_out(g, spec, mesh):
-    """``g`` laid out as ``spec`` says: a constraint over automatic axes, a reshard over
-    explicit ones (where JAX refuses constraints); ``spec`` None: as XLA propagates it."""
-    if spec is None or spec == P():
-        return g
-    if any(_axis_type(mesh, n) == AxisType.Explicit for n in _axis_names(spec)):
-        return reshard(g, spec)
-    return lax.with_sharding_constraint(g, spec)
 
 
 def _split_rows(x, mesh, axis_name):
@@ -765,7 +624,7 @@ def _unstack_shard(rows, dim: int, spec, mesh):
     """An FSDP gradient as stage 1 left it (its data dimension first, split over the data
     axis) back in its parameter's layout."""
     value = jnp.moveaxis(rows, 0, dim)
-    if any(_axis_type(mesh, n) == AxisType.Explicit for n in _axis_names(spec)):
+    if any(axis_type(mesh, n) == AxisType.Explicit for n in spec_axes(spec)):
         return reshard(value, jax.sharding.NamedSharding(mesh, spec))
     return lax.with_sharding_constraint(value, jax.sharding.NamedSharding(mesh, spec))
 
@@ -798,7 +657,7 @@ def _noise_groups(specs, mesh) -> dict:
     every distinct shard its own."""
     groups = {}
     for i, spec in enumerate(specs):
-        named = set(_axis_names(spec))
+        named = set(spec_axes(spec))
         groups.setdefault(tuple(a for a in mesh.axis_names if a in named), []).append(i)
     return groups
 

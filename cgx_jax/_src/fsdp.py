@@ -1,0 +1,140 @@
+"""FSDP inside ``cgx.value_and_grad`` (docs/design.md section 10): the differentiated loss of
+a call with parameters sharded over the data axis gathers each one whole with the compressed
+all-gather (decoded at the start, or where an NNX module reads it), and the gather's VJP
+reduce-scatters its gradient, compressed, as soon as the backward pass has it. ``call`` is
+``data_parallel``'s normalized call."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from cgx_jax._src import flax_compat
+from cgx_jax._src.layouts import lay_out, spec_axes
+from cgx_jax._src.sharded import finish_gather, gather_leaves, start_gather
+from cgx_jax._src.vma import to_local
+
+# The noise of the FSDP weights' gather (and its gradients' reduce-scatter), folded into the
+# step's key apart from the noise groups of the compressed mean (which fold small numbers).
+_GATHER_STREAM = 0x6A7E
+
+
+def input_specs(call, i: int, arg):
+    """The stage-1 ``in_specs`` tree of the differentiated argument ``arg`` at position
+    ``i``: ``P()`` (replicated over the data axis), an FSDP leaf split over it along its
+    dimension."""
+    def spec(path, _):
+        leaf = call.fsdp_paths[i].get(jax.tree_util.keystr(path))
+        if leaf is None:
+            return P()
+        return P(*([None] * call.fsdp[leaf]), call.axis_name)
+
+    return jax.tree_util.tree_map_with_path(spec, arg)
+
+
+def gathering_loss(call):
+    """``call.loss`` that first gathers its FSDP parameters' shards whole, each with its own
+    compressed all-gather, whose VJP reduce-scatters that parameter's gradient (compressed,
+    summed over the data axis) as soon as the backward pass has produced it."""
+    if not call.fsdp:
+        return call.loss
+    nnx = flax_compat.nnx
+
+    def loss(*args):
+        args, modules = list(args), {}
+        for i, by_path in call.fsdp_paths.items():
+            if not by_path:
+                continue
+            if i in call.graphs:
+                graph, state = nnx().split(args[i])
+                modules[i] = args[i]
+                at_use = call.keep_for_backward == "packets"
+                gathered = (_decoding_at_use(call, i, state) if at_use
+                            else _gather_fsdp_leaves(call, i, state))
+                args[i] = nnx().merge(graph, gathered)
+            else:
+                args[i] = _gather_fsdp_leaves(call, i, args[i])
+        out = call.loss(*args)
+        for i, module in modules.items():  # its other state, as the loss left it
+            nnx().update(module, nnx().state(args[i], nnx().Not(nnx().Param)))
+        return out
+
+    return loss
+
+
+def _gather_fsdp_leaves(call, i: int, tree):
+    """``tree`` (argument ``i`` as it travelled) with its FSDP shards gathered whole over the
+    data axis (``weight_codecs``; their gradients reduce-scattered with ``codecs``), one
+    gather each, so that the backward pass reduce-scatters each gradient as soon as it has
+    it: one custom VJP for all would hold every full gradient until the last
+    (docs/performance.md measures both)."""
+    by_path = call.fsdp_paths[i]
+    flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    leaves = [leaf for _, leaf in flat]
+    for n, (path, shard) in enumerate(flat):
+        j = by_path.get(jax.tree_util.keystr(path))
+        if j is not None:
+            leaves[n] = _gather_fsdp_leaf(call, j, shard, _gather_key(call, j))
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def _decoding_at_use(call, i: int, state):
+    """``state`` (an NNX module's, as it travelled) whose FSDP parameters sharded over the
+    data axis alone hold their shard and its gathered packets, and are decoded wherever the
+    model reads them (``flax_compat.decoded_at_use``); the others gathered as
+    ``_gather_fsdp_leaves`` gathers them."""
+    by_path = call.fsdp_paths[i]
+    flat = jax.tree_util.tree_flatten_with_path(state)[0]
+    variables, treedef = jax.tree_util.tree_flatten(state, is_leaf=flax_compat.is_variable)
+    for n, (path, shard) in enumerate(flat):
+        j = by_path.get(jax.tree_util.keystr(path))
+        if j is None:
+            continue
+        leaf_key = _gather_key(call, j)
+        if spec_axes(call.specs[j]) != [call.axis_name]:  # blocks: gathered at the start
+            variables[n] = variables[n].copy(_gather_fsdp_leaf(call, j, shard, leaf_key))
+            continue
+        settings, packets = start_gather(
+            [shard], [call.weight_codecs[j]], call.axis_name, key=leaf_key,
+            grad_codecs=[call.codecs[j]], backend=call.backend, paths=[call.paths[j]])
+        decode = functools.partial(_decode_one, settings, call.fsdp[j])
+        variables[n] = flax_compat.decoded_at_use((shard, packets, leaf_key), decode)
+    return jax.tree_util.tree_unflatten(treedef, variables)
+
+
+def _decode_one(settings, dim: int, shard, packets, key):
+    return finish_gather(settings, [shard], packets, key, axes=[dim], tiled=True)[0]
+
+
+def _gather_key(call, j: int):
+    """The noise key of FSDP leaf ``j``'s gather and of its gradient's reduce-scatter."""
+    if call.key is None:
+        return None
+    return jax.random.fold_in(jax.random.fold_in(call.key, _GATHER_STREAM), j)
+
+
+def _gather_fsdp_leaf(call, j: int, shard, key):
+    """FSDP leaf ``j`` gathered whole over the data axis by ``sharded.gather_leaves``. A leaf
+    also sharded over other mesh axes is gathered block by block, in a ``shard_map`` manual
+    over those axes (else XLA would gather each block whole, in f32, to feed the kernels),
+    each block drawing its own noise."""
+    def gather(block, key):
+        return gather_leaves([block], [call.weight_codecs[j]], call.axis_name,
+                             axes=[call.fsdp[j]], tiled=True, key=key,
+                             grad_codecs=[call.codecs[j]], backend=call.backend,
+                             paths=[call.paths[j]])[0]
+
+    other = P(*(None if d == call.fsdp[j] else entry for d, entry in enumerate(call.specs[j])))
+    axes = tuple(a for a in call.mesh.axis_names if a in spec_axes(other))
+    if not axes:
+        return gather(shard, key)
+
+    def on_block(block):
+        block_key = None if key is None else jax.random.fold_in(key, lax.axis_index(axes))
+        return to_local(gather(block, block_key), axes)
+
+    return jax.shard_map(on_block, in_specs=other, out_specs=other, axis_names=set(axes))(
+        lay_out(shard, other, call.mesh))
