@@ -107,8 +107,9 @@ def cgx_step_fn(mesh, seed: int = 0):
         def loss_fn(model, x, y):  # cgx: the batch as arguments
             return jnp.mean((model(x) - y) ** 2)
 
-        loss, grads = cgx.value_and_grad(loss_fn, mesh=mesh, axis_name="data", seed=seed)(  # cgx
-            model, x, y, step=optimizer.step[...])
+        grad_fn = cgx.value_and_grad(loss_fn, mesh=mesh, axis_name="data",  # cgx
+                                     key=jax.random.key(seed))
+        loss, grads = grad_fn(model, x, y, step=optimizer.step[...])
         optimizer.update(model, grads)
         return loss
 
@@ -123,9 +124,10 @@ def cgx_error_feedback_step_fn(mesh, seed: int = 0):
         def loss_fn(model, x, y):
             return jnp.mean((model(x) - y) ** 2)
 
-        loss, grads, residual = cgx.value_and_grad(
-            loss_fn, mesh=mesh, axis_name="data", error_feedback=True, seed=seed)(
-            model, x, y, step=optimizer.step[...], residual=residual)
+        grad_fn = cgx.value_and_grad(loss_fn, mesh=mesh, axis_name="data",
+                                     error_feedback=True, key=jax.random.key(seed))
+        loss, grads, residual = grad_fn(model, x, y, step=optimizer.step[...],
+                                        residual=residual)
         optimizer.update(model, grads)
         return loss, residual
 

@@ -111,7 +111,8 @@ def test_compressed_gradients_are_within_the_codec_bound_and_unbiased():
     mesh = fsdp_mesh()
     model, _ = fs.make_model(mesh)
     _, want = grads_of(mesh, model, False)
-    runs = [grads_of(mesh, model, True, seed=seed, weight_policy=EXACT)[1] for seed in range(8)]
+    runs = [grads_of(mesh, model, True, key=jax.random.key(seed), weight_policy=EXACT)[1]
+            for seed in range(8)]
     assert_like_nnx(runs[0], want, model)
     local = local_gradients(model, mesh)
     for layer in ("linear1", "linear2"):
@@ -123,7 +124,7 @@ def test_compressed_gradients_are_within_the_codec_bound_and_unbiased():
         assert 0 < mean < 0.5 * single, (layer, mean, single)  # 8 draws: about 1/sqrt(8)
         np.testing.assert_allclose(runs[0][layer]["bias"][...], want[layer]["bias"][...],
                                    rtol=1e-5, atol=1e-7)
-    again = grads_of(mesh, model, True, seed=0, weight_policy=EXACT)[1]
+    again = grads_of(mesh, model, True, key=jax.random.key(0), weight_policy=EXACT)[1]
     for a, b in zip(jax.tree.leaves(runs[0]), jax.tree.leaves(again)):
         np.testing.assert_array_equal(a, b)  # the same step and seed: the same bits
 

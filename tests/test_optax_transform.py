@@ -102,14 +102,15 @@ def test_error_feedback_removes_the_bias_of_2_bit_nearest_rounding(exact_run):
 
 
 def test_same_seed_same_result_and_replicas_identical():
-    transform = cgx.compressed_allreduce("batch", policy=policy(3), seed=5, error_feedback=True)
+    transform = cgx.compressed_allreduce("batch", policy=policy(3), key=jax.random.key(5),
+                                         error_feedback=True)
     first, params_a, _ = train(transform, steps=30)
     second, params_b, _ = train(transform, steps=30)
     np.testing.assert_array_equal(first, second)
     for leaf in jax.tree.leaves(params_a):
         for replica in leaf[1:]:
             np.testing.assert_array_equal(np.asarray(replica), np.asarray(leaf[0]))
-    other, _, _ = train(cgx.compressed_allreduce("batch", policy=policy(3), seed=6,
+    other, _, _ = train(cgx.compressed_allreduce("batch", policy=policy(3), key=jax.random.key(6),
                                                  error_feedback=True), steps=30)
     assert not np.array_equal(first, other)
 
@@ -139,7 +140,7 @@ def test_multisteps_reduces_only_on_the_real_step():
     keys = []
     for _ in range(2 * every):
         params, state, _ = step(params, state, x, y)
-        keys.append(np.asarray(state.inner_opt_state[0].key[0]))
+        keys.append(np.asarray(state.inner_opt_state[0].rng_key[0]))
         jax.block_until_ready(params)
     # The transformation's key advances once per real step (the 3rd and 6th), not per
     # micro-step: the keys after each step read k0 k0 k1 k1 k1 k2.

@@ -37,3 +37,22 @@ def test_program_size_does_not_grow_with_segments():
             jax.random.key(0)).as_text()
 
     assert len(lowered(64)) < 1.1 * len(lowered(2))
+
+
+def test_the_entry_points_take_an_optax_style_key():
+    """key= (typed or raw) as optax's noisy transformations take it, kept raw in the state as
+    rng_key; key(s) gives PRNGKey(s)'s bits; anything else is a TypeError naming key."""
+    import cgx_jax as cgx
+
+    params = {"w": jnp.zeros((4, 4))}
+    typed = cgx.compressed_allreduce("batch", key=jax.random.key(7)).init(params)
+    raw = cgx.compressed_allreduce("batch", key=jax.random.PRNGKey(7)).init(params)
+    default = cgx.compressed_allreduce("batch").init(params)
+    assert typed.rng_key.dtype == jnp.uint32 and typed.rng_key.shape == (2,)
+    np.testing.assert_array_equal(typed.rng_key, raw.rng_key)
+    np.testing.assert_array_equal(default.rng_key, jax.random.PRNGKey(0))
+    for make in (lambda k: cgx.compressed_allreduce("batch", key=k),
+                 lambda k: cgx.value_and_grad(lambda w, x: 0.0, mesh=jax.make_mesh(
+                     (1,), ("data",), devices=jax.devices()[:1]), axis_name="data", key=k)):
+        with pytest.raises(TypeError, match=r"key must be a JAX PRNG key .* got 7"):
+            make(7)

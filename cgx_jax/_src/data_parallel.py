@@ -45,6 +45,7 @@ from cgx_jax._src.policy import (
     policy_of,
     residual_shape,
 )
+from cgx_jax._src.seeds import raw_key
 from cgx_jax._src.sharded import WEIGHT_CODEC
 from cgx_jax._src.trees import combine, is_array, is_differentiable, partition
 from cgx_jax._src.validation import check_choice
@@ -84,7 +85,7 @@ def _data_dim(spec, axis_name, path) -> int | None:
 
 
 def value_and_grad(fun: Callable, *, mesh: Mesh, axis_name: str, argnums=0,
-                   has_aux: bool = False, policy: LayerPolicy | None = None, seed: int = 0,
+                   has_aux: bool = False, policy: LayerPolicy | None = None, key=None,
                    algorithm: str = "auto", backend: str = "ffi", param_specs=None,
                    error_feedback: bool = False, weight_policy: LayerPolicy | None = None,
                    keep_for_backward: str = "weights"):
@@ -100,8 +101,8 @@ def value_and_grad(fun: Callable, *, mesh: Mesh, axis_name: str, argnums=0,
         in ``argnums`` is a batch, split over ``axis_name`` along its first dimension;
         arguments in ``argnums`` (parameters, or an NNX module) may be sharded over the other
         mesh axes, and replicated over ``axis_name`` or sharded over it (FSDP, below).
-      policy: the gradients' per-leaf codecs (default ``LayerPolicy()``); seed, algorithm,
-        backend: as for ``compressed_allreduce``.
+      policy: the gradients' per-leaf codecs (default ``LayerPolicy()``); key (the noise's
+        PRNG key, folded with ``step``), algorithm, backend: as for ``compressed_allreduce``.
       weight_policy: the codecs of FSDP parameters' weights as they are gathered (default
         ``LayerPolicy(default=Codec(bits=8, rounding="nearest"))``).
       param_specs: the parameters' ``PartitionSpec``s over the other mesh axes (a tree
@@ -170,6 +171,7 @@ def value_and_grad(fun: Callable, *, mesh: Mesh, axis_name: str, argnums=0,
         ((256, 128), 65536.0)
     """
     policy = check_policy(policy)
+    base_key = raw_key(key)
     check_choice("keep_for_backward", keep_for_backward, ("weights", "packets"))
     if axis_name not in mesh.axis_names:
         raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh, whose axes "
@@ -186,7 +188,7 @@ def value_and_grad(fun: Callable, *, mesh: Mesh, axis_name: str, argnums=0,
 
     def grad_fn(*args, step=None, residual=None):
         _check_call(args, argnums, positions, axis_name, error_feedback, residual)
-        call, flat_args = _Call.of(args, specs, _step_key(step, seed), **settings)
+        call, flat_args = _Call.of(args, specs, _step_key(step, base_key), **settings)
         if error_feedback and call.fsdp:
             raise ValueError(
                 f"cgx.value_and_grad(..., error_feedback=True): parameters "
@@ -389,8 +391,9 @@ def _specs_for_residual(call: _Call) -> list:
     return [P() if spec is None else spec for spec in call.specs]
 
 
-def _step_key(step, seed: int):
-    """The noise key of this step: ``seed`` folded with ``step`` (``None`` without a step)."""
+def _step_key(step, base_key):
+    """The noise key of this step: ``base_key`` folded with ``step`` (``None`` without a
+    step)."""
     if step is None:
         return None
     if isinstance(step, (int, np.integer)) and not isinstance(step, bool):
@@ -402,7 +405,7 @@ def _step_key(step, seed: int):
     if step.shape != () or not jnp.issubdtype(step.dtype, jnp.integer):
         raise TypeError(f"cgx.value_and_grad: step must be an integer scalar, got "
                         f"{step.dtype}{list(step.shape)}")
-    return jax.random.fold_in(jax.random.PRNGKey(seed), step.astype(jnp.uint32))
+    return jax.random.fold_in(base_key, step.astype(jnp.uint32))
 
 
 def _local_gradients(call: _Call, flat_args):

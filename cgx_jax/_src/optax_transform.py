@@ -29,11 +29,12 @@ from cgx_jax._src.policy import (
     leaf_paths,
     residual_shape,
 )
+from cgx_jax._src.seeds import raw_key
 from cgx_jax._src.vma import check_local
 
 
 class CompressedAllReduceState(NamedTuple):
-    """``key``: raw ``uint32[2]`` PRNG key, split every step (fresh, reproducible stochastic
+    """``rng_key``: raw ``uint32[2]`` PRNG key, split every step (fresh, reproducible stochastic
     rounding noise; a plain array, so it checkpoints like any optimizer state).
     ``residual``: with error feedback, what the last step's local compression lost: a pytree
     of f32 arrays of shape ``(1, *gradient_shape)`` for the leaves the policy compresses
@@ -50,7 +51,7 @@ class CompressedAllReduceState(NamedTuple):
         (True, None)
     """
 
-    key: jax.Array
+    rng_key: jax.Array
     residual: Any
     adaptive: Any = None
 
@@ -63,7 +64,7 @@ class CompressedAllReduce(optax.GradientTransformation):
 
 
 def compressed_allreduce(axis_name, *, policy: LayerPolicy | None = None, mean: bool = True,
-                         error_feedback: bool = False, seed: int = 0, algorithm: str = "auto",
+                         error_feedback: bool = False, key=None, algorithm: str = "auto",
                          backend: str = "ffi",
                          adaptive: schedule.AdaptiveConfig | None = None
                          ) -> CompressedAllReduce:
@@ -77,7 +78,9 @@ def compressed_allreduce(axis_name, *, policy: LayerPolicy | None = None, mean: 
       mean: average (``True``) or sum the gradients over participants.
       error_feedback: add what each participant's compression lost to its next gradient
         (EF-SGD); the residual lives in the state.
-      seed: seed of the stochastic rounding noise (split every step).
+      key: the PRNG key of the stochastic rounding noise (``jax.random.key(0)`` by default),
+        kept in the state as ``rng_key`` and split every step, as optax's own noisy
+        transformations do.
       algorithm, backend: as for ``cgx.compressed_psum``.
       adaptive: a ``cgx.AdaptiveConfig``: every step, also measure the error table of this
         participant's gradient (``cgx.layer_errors`` of the leaves ``policy`` compresses),
@@ -106,6 +109,7 @@ def compressed_allreduce(axis_name, *, policy: LayerPolicy | None = None, mean: 
         (1, 128, 128)
     """
     policy = check_policy(policy)
+    first_key = raw_key(key)
     if adaptive is not None and not isinstance(adaptive, schedule.AdaptiveConfig):
         raise TypeError(f"adaptive must be a cgx_jax.AdaptiveConfig or None, got "
                         f"{type(adaptive).__name__}")
@@ -119,12 +123,12 @@ def compressed_allreduce(axis_name, *, policy: LayerPolicy | None = None, mean: 
                 for p, codec in zip(leaves, policy.resolve_leaves(params))])
         stats = (None if adaptive is None
                  else schedule.init_adaptive_state(params, adaptive, policy))
-        return CompressedAllReduceState(key=jax.random.PRNGKey(seed), residual=residual,
+        return CompressedAllReduceState(rng_key=first_key, residual=residual,
                                         adaptive=stats)
 
     def update_fn(updates, state, params=None):
         del params
-        key, step_key = jax.random.split(state.key)
+        rng_key, step_key = jax.random.split(state.rng_key)
         # Before the residual is added: a varying residual would hide reduced gradients.
         check_local(updates, axis_name, leaf_paths(updates), "compressed_allreduce")
         if error_feedback:
@@ -136,13 +140,13 @@ def compressed_allreduce(axis_name, *, policy: LayerPolicy | None = None, mean: 
                         mean=mean)
         if not error_feedback:
             return reduce_tree(updates, axis_name, **settings), CompressedAllReduceState(
-                key, None, stats)
+                rng_key, None, stats)
         reduced, new = reduce_tree_with_residual(updates, axis_name, **settings)
         # The residual keeps init's layout: a leaf the policy kept exact at init (or an
         # adaptive policy has since compressed) keeps its zero.
         residual = jax.tree.map(lambda n, r: n[None] if r.shape[1:] == n.shape else r,
                                 new, state.residual)
-        return reduced, CompressedAllReduceState(key, residual, stats)
+        return reduced, CompressedAllReduceState(rng_key, residual, stats)
 
     transform = CompressedAllReduce(init_fn, update_fn)
     transform.policy = policy
@@ -165,7 +169,7 @@ def state_specs(state, axis_name):
         ...                  optax.sgd(0.1))
         >>> specs = cgx.state_specs(tx.init({"w": jnp.zeros((4, 4))}), "batch")
         >>> from jax.sharding import PartitionSpec as P
-        >>> specs[0].residual == {"w": P("batch")}, specs[0].key == P()
+        >>> specs[0].residual == {"w": P("batch")}, specs[0].rng_key == P()
         (True, True)
     """
     _refuse_nnx_optimizer(state, "state_specs")
@@ -194,7 +198,7 @@ def _specs(state, axis_name, is_leaf=None):
     def specs(node):
         if _is_cgx_state(node):
             return CompressedAllReduceState(
-                key=replicated,
+                rng_key=replicated,
                 residual=jax.tree.map(lambda _: per_participant, node.residual,
                                       is_leaf=is_leaf),
                 adaptive=jax.tree.map(lambda _: replicated, node.adaptive, is_leaf=is_leaf))

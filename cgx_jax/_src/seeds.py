@@ -35,6 +35,27 @@ def seed_bits(key, name: str = "key"):
         f"{key!r:.80} of type {type(key).__name__}")
 
 
+def raw_key(key, name: str = "key"):
+    """``key`` (a typed ``jax.random.key`` or a legacy ``PRNGKey``) as a raw ``uint32[2]``
+    ``PRNGKey``, which checkpoints like any array; ``None`` gives ``PRNGKey(0)``;
+    ``TypeError`` naming ``name`` for anything else.
+
+    Example:
+        >>> import jax
+        >>> bool((raw_key(jax.random.key(5)) == jax.random.PRNGKey(5)).all())
+        True
+    """
+    if key is None:
+        return jax.random.PRNGKey(0)
+    if isinstance(key, jax.Array) and jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        return jax.random.key_data(key)
+    if isinstance(key, (jax.Array, np.ndarray)) and key.dtype == jnp.uint32 and key.shape == (2,):
+        return jnp.asarray(key)
+    raise TypeError(
+        f"{name} must be a JAX PRNG key (jax.random.key(0) or jax.random.PRNGKey(0)), got "
+        f"{key!r:.80} of type {type(key).__name__}")
+
+
 def rounding_seed(codec: Codec, key):
     """The seed of one encode with ``codec``: from ``key`` for stochastic rounding (which
     needs one), zeros for nearest rounding (which draws no noise)."""

@@ -242,7 +242,7 @@ def make_fsdp_step(graphdef, params, tx, mesh, num_classes, smoothing, use_cgx, 
     loss = lambda p, x, y: loss_fn(graphdef, p, x, y, num_classes, smoothing)  # noqa: E731
     if use_cgx:
         grad_fn = cgx.value_and_grad(loss, mesh=mesh, axis_name=AXIS, param_specs=specs,
-                                     policy=cgx_policy(args), seed=seed,
+                                     policy=cgx_policy(args), key=jax.random.key(seed),
                                      weight_policy=fsdp_weights(args, "fsdp"))
     else:
         grad_fn = lambda p, x, y, step: jax.value_and_grad(loss)(p, x, y)  # noqa: E731
@@ -320,7 +320,7 @@ def train_run(mode, seed, args, ds, mesh, show_progress):
 
     def build(policy):
         allreduce = (exact_pmean() if policy is None
-                     else cgx.compressed_allreduce(AXIS, policy=policy, seed=seed,
+                     else cgx.compressed_allreduce(AXIS, policy=policy, key=jax.random.key(seed),
                                                    error_feedback=args.error_feedback))
         tx = make_optimizer(allreduce, args, total)
         specs = cgx.state_specs(tx.init(params), AXIS)
