@@ -192,7 +192,7 @@ def test_a_killed_rank_restarts_and_resumes_bit_for_bit(tmp_path):
     residuals = [k for k in expected if "['residual']" in k]
     assert residuals and all(expected[k].shape[0] == 4 for k in residuals)  # one per device
     assert any(not np.array_equal(expected[k][0], expected[k][3]) for k in residuals)
-    assert "[1][0]['key']" in expected  # the noise key
+    assert "[1][0]['rng_key']" in expected  # the noise key
     assert_bitwise_equal(got, expected)
     assert got_host == expected_host and len(got_host["losses"]) == RESTART_STEPS
 

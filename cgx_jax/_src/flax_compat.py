@@ -43,7 +43,6 @@ def is_optimizer_or_state(value) -> bool:
     return _isinstance(value, "Optimizer", "State")
 
 
-
 def decoded_at_use(value: tuple, decode):
     """An ``nnx.Param`` that holds ``value`` (a tuple of arrays) and reads as
     ``decode(*value)`` wherever the model reads it (``variable[...]``, ``.value``, ``.shape``,
