@@ -36,7 +36,7 @@ from jax.sharding import AxisType, Mesh, PartitionSpec as P
 from cgx_jax._src import flax_compat, fsdp
 from cgx_jax._src.api import reduce_leaves, warn_nothing_compressed
 from cgx_jax._src.collectives.jax_compat import reshard, untyped_collectives
-from cgx_jax._src.layouts import axis_type, lay_out, spec_axes
+from cgx_jax._src.layouts import axis_type, entry_axes, lay_out, spec_axes
 from cgx_jax._src.policy import (
     LayerPolicy,
     add_residual,
@@ -72,7 +72,7 @@ def _data_dim(spec, axis_name, path) -> int | None:
     (replicated over it). One dimension sharded over the data axis and another axis together
     is refused: each device would hold a shard of a shard."""
     for dim, entry in enumerate(spec or ()):  # None: a layout decided after tracing
-        names = entry if isinstance(entry, tuple) else (entry,)
+        names = entry_axes(entry)
         if axis_name in names:
             if len(names) > 1:
                 raise ValueError(

@@ -54,13 +54,14 @@ def decoded_at_use(value: tuple, decode):
 
 @functools.cache
 def _decoded_param_type():
+    from flax.typing import MISSING  # what Variable.get_value's index defaults to
+
     class DecodedAtUse(nnx().Param):
         """A parameter decoded from what it holds each time it is read."""
 
-        def get_value(self, **kwargs):
+        def get_value(self, *, index=MISSING):
             value = self.get_metadata()["decode"](*self.get_raw_value())
-            index = kwargs.get("index", ...)
-            return value if index is ... or type(index).__name__ == "Missing" else value[index]
+            return value if index is MISSING or index is ... else value[index]
 
         def __getattr__(self, name: str):  # .dtype, .ndim, .T: the decoded array's
             metadata = object.__getattribute__(self, "_var_metadata")

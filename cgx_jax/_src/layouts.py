@@ -14,10 +14,16 @@ def axis_type(mesh, name):
     return mesh.axis_types[mesh.axis_names.index(name)]
 
 
+def entry_axes(entry) -> tuple:
+    """The mesh axes one entry of a ``PartitionSpec`` names: none, one, or several."""
+    if entry is None:
+        return ()
+    return entry if isinstance(entry, tuple) else (entry,)
+
+
 def spec_axes(spec) -> list:
-    """The mesh axes a ``PartitionSpec`` names (an entry may name several, or none)."""
-    return [name for entry in spec if entry is not None
-            for name in (entry if isinstance(entry, tuple) else (entry,))]
+    """The mesh axes a ``PartitionSpec`` names."""
+    return [name for entry in spec for name in entry_axes(entry)]
 
 
 def lay_out(g, spec, mesh):

@@ -26,13 +26,8 @@ def seed_bits(key, name: str = "key"):
         >>> seed_bits(jax.random.key(0)).dtype
         dtype('uint32')
     """
-    if isinstance(key, jax.Array) and jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
-        return jax.random.bits(key, (2,), jnp.uint32)
-    if isinstance(key, (jax.Array, np.ndarray)) and key.dtype == jnp.uint32 and key.shape == (2,):
-        return jax.random.bits(key, (2,), jnp.uint32)
-    raise TypeError(
-        f"{name} must be a JAX PRNG key (jax.random.key(0) or jax.random.PRNGKey(0)), got "
-        f"{key!r:.80} of type {type(key).__name__}")
+    _is_typed_key(key, name)  # either kind draws the same bits
+    return jax.random.bits(key, (2,), jnp.uint32)
 
 
 def raw_key(key, name: str = "key"):
@@ -47,10 +42,16 @@ def raw_key(key, name: str = "key"):
     """
     if key is None:
         return jax.random.PRNGKey(0)
+    return jax.random.key_data(key) if _is_typed_key(key, name) else jnp.asarray(key)
+
+
+def _is_typed_key(key, name: str) -> bool:
+    """Whether ``key`` is a typed ``jax.random.key`` (else a raw ``uint32[2]`` ``PRNGKey``);
+    ``TypeError`` naming ``name`` when it is neither."""
     if isinstance(key, jax.Array) and jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
-        return jax.random.key_data(key)
+        return True
     if isinstance(key, (jax.Array, np.ndarray)) and key.dtype == jnp.uint32 and key.shape == (2,):
-        return jnp.asarray(key)
+        return False
     raise TypeError(
         f"{name} must be a JAX PRNG key (jax.random.key(0) or jax.random.PRNGKey(0)), got "
         f"{key!r:.80} of type {type(key).__name__}")

@@ -27,6 +27,7 @@ from cgx_jax._src.backends import BACKENDS, get_backend
 from cgx_jax._src.codec import Codec, packet_bytes
 from cgx_jax._src.collectives import REDUCE_SCATTER
 from cgx_jax._src.consistency import check_processes_agree
+from cgx_jax._src.layouts import entry_axes
 from cgx_jax._src.policy import LayerPolicy, choose_codecs, path_name
 from cgx_jax._src.reduction import ReductionPlan, plan_reduction, run_scatter_plan, segment_seeds
 from cgx_jax._src.seeds import seed_bits
@@ -193,7 +194,7 @@ def _sharded_dims(specs, x, call: _Call, axis_name) -> list:
         if not is_spec(spec):
             raise ValueError(f"specs for {_leaf_name(path)} must be a PartitionSpec, got "
                              f"{spec!r}")
-        entries = [entry if isinstance(entry, tuple) else (entry,) for entry in spec]
+        entries = [entry_axes(entry) for entry in spec]
         named = [d for d, names in enumerate(entries) if axis_name in names]
         if named and (len(entries) > leaf.ndim or len(entries[named[0]]) > 1):
             raise ValueError(f"specs for {_leaf_name(path)} of shape {tuple(leaf.shape)} is "
