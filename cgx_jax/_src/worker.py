@@ -83,5 +83,6 @@ def initialize(exit_on_exception: bool | None = None,
             process_id=int(os.environ[ENV_PROCESS_ID]), **heartbeat)
     else:
         jax.distributed.initialize(**heartbeat)
-    keep_freed_memory_on_cpu()  # as a compressed collective would (cgx_jax/_src/memory.py)
+    # Where the backend turned out to be the CPU but was not known before (a plugin installed).
+    keep_freed_memory_on_cpu()
     return jax.process_index(), jax.process_count()
