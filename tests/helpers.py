@@ -31,13 +31,18 @@ def cpu_mesh(num_devices: int, axis_names=("batch",), shape=None) -> Mesh:
 
 def run_sharded(fn, stacked, num_devices, *args):
     """Runs fn(per_device_value, *args) under shard_map over `num_devices` CPU devices and
-    returns the per-device outputs stacked on a new leading axis."""
-    mesh = cpu_mesh(num_devices)
-    mapped = jax.shard_map(
-        lambda x, *a: jax.tree.map(lambda v: v[None], fn(jax.tree.map(lambda v: v[0], x), *a)),
-        mesh=mesh, in_specs=(P("batch"),) + (P(),) * len(args), out_specs=P("batch"))
-    out = jax.jit(mapped)(stacked, *args)
+    returns the per-device outputs stacked on a new leading axis. The same ``fn`` is compiled
+    once per shape (a loop over keys passes them as ``args``)."""
+    out = _sharded_program(fn, num_devices, len(args))(stacked, *args)
     return jax.block_until_ready(out)
+
+
+@functools.lru_cache(maxsize=64)
+def _sharded_program(fn, num_devices, num_args):
+    return jax.jit(jax.shard_map(
+        lambda x, *a: jax.tree.map(lambda v: v[None], fn(jax.tree.map(lambda v: v[0], x), *a)),
+        mesh=cpu_mesh(num_devices), in_specs=(P("batch"),) + (P(),) * num_args,
+        out_specs=P("batch")))
 
 
 def run_2d(fn, stacked, outer, inner, *args):

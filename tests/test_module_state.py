@@ -219,6 +219,7 @@ def test_local_value_and_grad_in_shard_map_carries_state_back(cpu_devices):
     def loss(model, x):
         return bn_loss(model, x), model.drop(jnp.ones((x.shape[0], 64)))
 
+    @nnx.jit
     @nnx.shard_map(mesh=mesh, in_specs=(P(), P("data")), out_specs=(P(), P("data")))
     def step(model, x):
         (_, mask), grads = cgx.local_value_and_grad(loss, "data", has_aux=True)(model, x)
@@ -271,6 +272,7 @@ class CountingNet(BatchNormNet):
 def test_integer_state_that_differs_between_participants_is_refused(cpu_devices):
     mesh = mesh_of(cpu_devices, (8,))
 
+    @nnx.jit
     @nnx.shard_map(mesh=mesh, in_specs=(P(), P("data")), out_specs=P())
     def step(model, x):
         _, grads = cgx.local_value_and_grad(bn_loss, "data")(model, x)

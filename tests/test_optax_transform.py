@@ -5,6 +5,8 @@ same seed gives the same run with identical replicas, checkpoints resume identic
 MultiSteps reduces only on the real step, and apply_if_finite skips a NaN step on every
 replica."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -27,11 +29,18 @@ def make_step(tx):
     return jax.pmap(step, axis_name="batch", devices=CPU[:NUM_DEVICES])
 
 
-def train(transform, steps=200, state=None, params=None):
+@functools.lru_cache(maxsize=8)
+def chain_and_step(transform):
+    """The training chain of ``transform`` and its pmapped step, compiled once per transform
+    (runs of one test that compare results share it)."""
     tx = optax.chain(transform, optax.sgd(0.2, momentum=0.9))
+    return tx, make_step(tx)
+
+
+def train(transform, steps=200, state=None, params=None):
+    tx, step = chain_and_step(transform)
     params = replicate(init_params()) if params is None else params
     state = jax.pmap(tx.init, devices=CPU[:NUM_DEVICES])(params) if state is None else state
-    step = make_step(tx)
     x, y = teacher_data()
     losses = []
     for _ in range(steps):
@@ -198,25 +207,32 @@ def ef_training(mesh, steps, state=None, params=None):
     """``steps`` SGD steps with error feedback under shard_map(check_vma=True) on the teacher
     problem; returns (params, optimizer state, losses)."""
     x, y = teacher_data()
+    tx, f = ef_chain_and_step(mesh)
+    params = init_params() if params is None else params
+    state = cgx.shard_state(tx.init(params), mesh, "batch") if state is None else state
+    losses = []
+    for _ in range(steps):
+        params, state, loss = f(params, state, x, y)
+        losses.append(float(loss))
+    return params, state, losses
+
+
+@functools.lru_cache(maxsize=2)
+def ef_chain_and_step(mesh):
+    """The chain of ``ef_training`` and its jitted step, compiled once per mesh."""
     policy = cgx.LayerPolicy(default=cgx.Codec(bits=2, bucket_size=256), min_size=256)
     tx = optax.chain(cgx.compressed_allreduce("batch", policy=policy, error_feedback=True),
                      optax.sgd(0.1, momentum=0.9))
-    params = init_params() if params is None else params
-    state = cgx.shard_state(tx.init(params), mesh, "batch") if state is None else state
-    specs = cgx.state_specs(state, "batch")
+    specs = cgx.state_specs(tx.init(init_params()), "batch")
 
     def step(params, state, x, y):
         loss, grads = cgx.local_value_and_grad(loss_fn, "batch")(params, x[0], y[0])
         updates, state = tx.update(grads, state, params)
         return optax.apply_updates(params, updates), state, jax.lax.pmean(loss, "batch")
 
-    f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), specs, P("batch"), P("batch")),
-                              out_specs=(P(), specs, P())))
-    losses = []
-    for _ in range(steps):
-        params, state, loss = f(params, state, x, y)
-        losses.append(float(loss))
-    return params, state, losses
+    return tx, jax.jit(jax.shard_map(step, mesh=mesh,
+                                     in_specs=(P(), specs, P("batch"), P("batch")),
+                                     out_specs=(P(), specs, P())))
 
 
 def save_restore_numpy(state, path, mesh):

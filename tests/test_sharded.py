@@ -3,6 +3,7 @@ compressed_psum_scatter against numpy models of the format (tests/numpy_model.py
 lax collectives they replace: values bit for bit, layouts, dtypes, replicas, exact leaves,
 gradients, noise, the jnp backend, pmap and bad arguments."""
 
+import functools
 import os
 
 import jax
@@ -101,9 +102,12 @@ def test_a_pytree_gathers_small_leaves_exactly_and_fuses_the_rest():
 def linear_loss_grads(gather, cotangent, stacked, key=None):
     """The gradient of sum(cotangent * gather(shard)) per participant: the gather's VJP
     applied to ``cotangent`` (the same on every participant)."""
-    def grad(s, key):
-        return jax.grad(lambda s: jnp.sum(cotangent * gather(s, key)))(s)
-    return run_sharded(grad, stacked, N, key)
+    return run_sharded(_linear_loss_grad(gather), stacked, N, cotangent, key)
+
+
+@functools.cache
+def _linear_loss_grad(gather):  # one function per gather: compiled once per shape
+    return lambda s, cotangent, key: jax.grad(lambda s: jnp.sum(cotangent * gather(s, key)))(s)
 
 
 def test_every_participant_encodes_its_shard_with_its_own_noise():
@@ -165,9 +169,9 @@ def test_all_gather_gradient_is_compressed_unbiased_and_needs_a_key():
         s, "batch", tiled=True), ct, stacked))
     units = np.ptp(np.asarray(ct)) / 15  # the widest bucket's step at 4 bits
     errors = []
+    gather = lambda s, k: cgx.compressed_all_gather(s, "batch", tiled=True, codec=W8, key=k)  # noqa: E731
     for seed in range(16):
-        got = linear_loss_grads(lambda s, k: cgx.compressed_all_gather(
-            s, "batch", tiled=True, codec=W8, key=k), ct, stacked, jax.random.key(seed))
+        got = linear_loss_grads(gather, ct, stacked, jax.random.key(seed))
         errors.append(np.asarray(got, np.float64) - exact)
     assert np.max(np.abs(errors)) <= (N - 1) * units
     single, mean = np.mean(np.abs(errors[0])), np.mean(np.abs(np.mean(errors, axis=0)))
@@ -286,9 +290,9 @@ def test_psum_scatter_is_unbiased_with_stochastic_rounding_and_transposes_exactl
     stacked = shards(10, (N * 4, 50, 40))
     exact = np.asarray(run_sharded(lambda x: jax.lax.psum_scatter(x, "batch", tiled=True),
                                    stacked, N), np.float64)
-    runs = [np.asarray(run_sharded(lambda x, k: cgx.compressed_psum_scatter(
-        x, "batch", tiled=True, codec=G4, key=k), stacked, N, jax.random.key(s)), np.float64)
-        for s in range(16)]
+    scatter = lambda x, k: cgx.compressed_psum_scatter(x, "batch", tiled=True, codec=G4, key=k)  # noqa: E731
+    runs = [np.asarray(run_sharded(scatter, stacked, N, jax.random.key(s)), np.float64)
+            for s in range(16)]
     single = np.mean(np.abs(runs[0] - exact))
     assert np.mean(np.abs(np.mean(runs, axis=0) - exact)) < 0.4 * single
     # Straight-through: the gradient is lax.psum_scatter's (the exact all-gather).

@@ -193,6 +193,7 @@ def test_nnx_shard_map(local):
     grad_fn = (cgx.local_value_and_grad(nnx_loss, AXIS) if local
                else nnx.value_and_grad(nnx_loss))
 
+    @nnx.jit
     @nnx.shard_map(mesh=mesh, in_specs=(P(), P(AXIS), P(AXIS)), out_specs=P())
     def reduced_grads(model, x, y):
         _, grads = grad_fn(model, x[0], y[0])
@@ -222,6 +223,7 @@ def test_nnx_shard_map_with_the_transform(error_feedback):
     state = cgx.shard_state(tx.init(nnx.state(model, nnx.Param)), mesh, AXIS)
     specs = cgx.state_specs(state, AXIS)
 
+    @nnx.jit
     @nnx.shard_map(mesh=mesh, in_specs=(P(), specs, P(AXIS), P(AXIS)), out_specs=(P(), specs))
     def reduced_grads(model, state, x, y):
         _, grads = cgx.local_value_and_grad(nnx_loss, AXIS)(model, x[0], y[0])
