@@ -4,14 +4,14 @@ launch_worker), run under ``python -m cgx_jax.launch``:
     python tests/multiprocess_worker.py OUT_DIR MODE
 
 MODE ``flat``: every algorithm over a 1-D mesh of all devices of all processes; ``hier``:
-also the hierarchical reduction over a (processes, local devices) mesh; ``fail``: rank 1
-raises after joining, the others wait in a collective; ``die`` and ``cut``: see
-``lose_rank_1``. Each rank writes
-``OUT_DIR/rank{i}.npz`` with, per result, the rows of its own devices (NaN elsewhere) and
-which rows those are. The test process runs ``compute`` on a sub-mesh of simulated devices
-and compares bitwise. MODE ``hier_large``: ``compute_large`` (a hierarchical reduction of
-multi-MiB pieces, several calls); each rank writes ``OUT_DIR/rank{i}.json`` with the SHA-256
-of each of its result rows. MODE ``disagree:SETTING``: see ``disagree``.
+also the hierarchical reduction over a (processes, local devices) mesh, and first
+``compute_large`` (a hierarchical reduction of multi-MiB pieces, several calls), for which
+each rank writes ``OUT_DIR/rank{i}.json`` with the SHA-256 of each of its result rows;
+``fail``: rank 1 raises after joining, the others wait in a collective; ``die`` and ``cut``:
+see ``lose_rank_1``. Each rank writes ``OUT_DIR/rank{i}.npz`` with, per result, the rows of
+its own devices (NaN elsewhere) and which rows those are. The test process runs ``compute``
+on a sub-mesh of simulated devices and compares bitwise. MODE ``disagree:SETTING``: see
+``disagree``.
 """
 
 import os
@@ -320,13 +320,11 @@ def main(out_dir: str, mode: str) -> None:
     if mode.startswith("disagree"):
         disagree(out_dir, rank, devices, mode)
         return
-    if mode == "hier_large":
+    if mode == "hier":  # the multi-MiB pieces first: the regression they guard
         import json
         digests = compute_large(hier_mesh(devices, num_processes))
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(digests, f)
-        print(f"process {rank}: wrote {len(digests)} digests", flush=True)
-        return
     from cgx_jax._src import fusion
     # Across CPU processes small exact leaves share one all-reduce operand (one latency).
     assert fusion.exact_fusion_pays(), "exact leaves are not fused across CPU processes"
