@@ -39,11 +39,11 @@ import textwrap
 import time
 
 from cgx_jax._src.netem import parse_rate, shaped_network
+from cgx_jax.bench import common
 from cgx_jax.bench.common import (
     add_report_arguments,
     add_worker_arguments,
     check_network_arguments,
-    cpu_description,
     parse_size,
     run_links,
     size_label,
@@ -88,151 +88,171 @@ def leaf_sizes(layout: str, size: int) -> list[int]:
 
 
 def worker(args) -> None:
+    """One JAX process of the benchmark: every size, layout and method, timed; rank 0 writes
+    the rows to ``args.out``."""
     from cgx_jax import launch as _launch
 
     if args.coordinator:
         os.environ[_launch.ENV_COORDINATOR] = args.coordinator
     rank, num_processes = _launch.initialize()
 
-    import statistics
-
     import jax
-    import jax.numpy as jnp
     import numpy as np
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.experimental import multihost_utils
+    from jax.sharding import Mesh
 
-    import cgx_jax as cgx
     per_process = len(jax.local_devices())
     # Process-major (num_processes, per_process) grid: "proc" crosses the network, "dev" is
     # the devices inside one process (hierarchical runs reduce over it exactly first).
     grid = np.array(sorted(jax.devices(), key=lambda d: (d.process_index, d.id)))
-    grid = grid.reshape(num_processes, per_process)
-    mesh = Mesh(grid, ("proc", "dev"))
-    axes = ("proc", "dev")
-    spec = P(axes)
-    sharding = NamedSharding(mesh, spec)
-    n = grid.size
-    local = [d for d in grid.reshape(-1) if d.process_index == jax.process_index()]
+    mesh = Mesh(grid.reshape(num_processes, per_process), AXES)
     if rank == 0:
         print(f"{num_processes} processes x {per_process} devices, host "
               f"{socket.gethostname()} -> {socket.gethostbyname(socket.gethostname())}",
               flush=True)
-
-    def program(body):
-        return jax.jit(jax.shard_map(
-            lambda t: jax.tree.map(lambda v: v[None], body(jax.tree.map(lambda v: v[0], t))),
-            mesh=mesh, in_specs=spec, out_specs=spec))
-
-    def time_it(fn, x):
-        for _ in range(args.warmup):
-            jax.block_until_ready(fn(x))  # one program in flight at a time (docs/design.md 9)
-        times, faults = [], []
-        for _ in range(args.repeats):
-            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-            start = time.perf_counter()
-            out = jax.block_until_ready(fn(x))
-            times.append(time.perf_counter() - start)
-            faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-        return statistics.median(times), times, statistics.median(faults), out
-
-    def own_row(tree):
-        return np.concatenate([np.asarray(leaf.addressable_shards[0].data[0], np.float32)
-                               for leaf in jax.tree.leaves(tree)])
-
-    def wire_only(codec, size):
-        """SRA's collectives on packets of its byte count, nothing encoded or decoded."""
-        from cgx_jax._src.codec import packet_bytes
-        from cgx_jax._src.collectives import padding_multiple
-        from cgx_jax._src.collectives.transport import exchange_rows
-
-        multiple = padding_multiple("sra", codec, n)
-        chunk = packet_bytes(-(-size // multiple) * multiple // n, codec)
-
-        def body(v):
-            raw = jax.lax.bitcast_convert_type(v, jnp.uint8).reshape(-1)
-            raw = jnp.resize(raw, n * chunk).reshape(n, chunk)  # stands in for the packets
-            pieces = exchange_rows(raw, axes, jax.lax.axis_index(axes), n)
-            # XOR of the received pieces stands in for the reduction (uses every piece).
-            own = functools.reduce(jnp.bitwise_xor, list(pieces))
-            return jax.lax.all_gather(own, axes, tiled=True)
-        return body
-
-    def compressed(codec, algorithm):
-        if algorithm == "hierarchical":
-            return lambda v: cgx.compressed_psum(v, "proc", codec=codec, key=jax.random.key(0),
-                                                 algorithm="sra", inner_axis_name="dev")
-        return lambda v: cgx.compressed_psum(v, axes, codec=codec, key=jax.random.key(0),
-                                             algorithm=algorithm)
-
     algorithms = [a for a in args.algorithms if a != "hierarchical" or per_process > 1]
     if rank == 0 and len(algorithms) < len(args.algorithms):
         print("  (hierarchical needs --devices-per-process 2 or more: skipped)", flush=True)
     rows = []
     for size, layout in [(s, layout) for s in args.sizes for layout in args.layouts]:
-        # "mlp"/"vit": the same values as a model's leaves, scaled to the size: separate
-        # leaves, as an optimizer's gradient pytree arrives.
-        bounds = np.cumsum([0] + leaf_sizes(layout, size))
-        leaves = {}
-        for leaf, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
-            pieces = []
-            for device in local:
-                index = int(np.flatnonzero(grid.reshape(-1) == device)[0])
-                row = np.random.default_rng(1000 + index).standard_normal(size, np.float32)
-                pieces.append(jax.device_put(row[None, lo:hi], device))
-            leaves[f"leaf{leaf}"] = jax.make_array_from_single_device_arrays(
-                (n, hi - lo), sharding, pieces)
-        x = leaves["leaf0"] if layout == "flat" else leaves
-        del pieces, leaves
-        methods = [("psum f32", "", 32, lambda v: jax.lax.psum(v, axes)),
-                   ("psum bf16", "", 16,
-                    lambda t: jax.tree.map(lambda v: v.astype(jnp.float32), jax.lax.psum(
-                        jax.tree.map(lambda v: v.astype(jnp.bfloat16), t), axes)))]
-        for algorithm in algorithms:
-            for bits in args.bits:
-                codec = cgx.Codec(bits=bits, bucket_size=args.bucket_size,
-                                  rounding=args.rounding)
-                if algorithm == "sra-wire":
-                    if layout != "flat":
-                        continue  # the wire of the same values: the flat row has it
-                    methods.append((f"wire sra {bits}b", algorithm, bits,
-                                    wire_only(codec, size)))
-                    continue
-                label = "hier-sra" if algorithm == "hierarchical" else algorithm
-                methods.append((f"cgx {label} {bits}b", algorithm, bits,
-                                compressed(codec, algorithm)))
+        x = _inputs(mesh, size, layout)
         reference = None
-        for name, algorithm, bits, body in methods:
-            fn = program(body)
-            promoted = False
-            if name == "psum bf16":
-                # XLA:CPU promotes a bf16 all-reduce to f32 (its wire bytes are f32's).
-                hlo = fn.lower(x).compile().as_text()
-                promoted = any(" all-reduce(" in line and "= f32[" in line
-                               for line in hlo.splitlines())
-            seconds, times, faults, out = time_it(fn, x)
-            row_out = own_row(out)
-            del out
+        for name, algorithm, bits, body in _methods(args, algorithms, mesh, size, layout):
+            row, out = _measure(args, mesh, body, x, name == "psum bf16")
             if reference is None:
-                reference = row_out
-                error = 0.0
+                reference, error = out, 0.0
             elif algorithm == "sra-wire":
                 error = None  # its output is bytes, not a sum
             else:
-                error = float(np.linalg.norm(row_out - reference) / np.linalg.norm(reference))
+                error = float(np.linalg.norm(out - reference) / np.linalg.norm(reference))
             rows.append(dict(elements=size, layout=layout, method=name, algorithm=algorithm,
-                             bits=bits, seconds=seconds, times=times, rel_error=error,
-                             page_faults=faults, wire_promoted_to_f32=promoted))
+                             bits=bits, rel_error=error, **row))
             if rank == 0:
-                print(f"  {size_label(size):>5} {layout:<4} {name:<16} {seconds * 1e3:10.2f} ms"
-                      f"  {faults:7.0f} page faults  rel err {_error_text(error, '.3e')}",
-                      flush=True)
+                print(f"  {size_label(size):>5} {layout:<4} {name:<16} "
+                      f"{row['seconds'] * 1e3:10.2f} ms  {row['page_faults']:7.0f} page faults"
+                      f"  rel err {_error_text(error, '.3e')}", flush=True)
         del x, reference
     if rank == 0:
         with open(args.out, "w") as f:
             json.dump(rows, f)
     # Keep every process alive until all are done with the last collective.
-    from jax.experimental import multihost_utils
     multihost_utils.sync_global_devices("cgx_bench_allreduce_done")
+
+
+AXES = ("proc", "dev")
+
+
+def _inputs(mesh, size: int, layout: str):
+    """Every participant's row of ``size`` values (a seed per participant), sharded one row
+    per device: one array for ``flat``; for ``mlp``/``vit``, the same values cut into a
+    model's leaves, scaled to the size, as an optimizer's gradient pytree arrives."""
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    devices = list(mesh.devices.reshape(-1))
+    local = [d for d in devices if d.process_index == jax.process_index()]
+    bounds = np.cumsum([0] + leaf_sizes(layout, size))
+    leaves = {}
+    for leaf, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
+        pieces = [jax.device_put(np.random.default_rng(1000 + devices.index(device))
+                                 .standard_normal(size, np.float32)[None, lo:hi], device)
+                  for device in local]
+        leaves[f"leaf{leaf}"] = jax.make_array_from_single_device_arrays(
+            (len(devices), hi - lo), NamedSharding(mesh, P(AXES)), pieces)
+    return leaves["leaf0"] if layout == "flat" else leaves
+
+
+def _methods(args, algorithms, mesh, size: int, layout: str) -> list:
+    """``(name, algorithm, bits, body)`` of every method timed at this size and layout: the
+    two ``lax.psum`` baselines, then each algorithm at each bit width."""
+    import jax
+    import jax.numpy as jnp
+
+    import cgx_jax as cgx
+
+    methods = [("psum f32", "", 32, lambda v: jax.lax.psum(v, AXES)),
+               ("psum bf16", "", 16,
+                lambda t: jax.tree.map(lambda v: v.astype(jnp.float32), jax.lax.psum(
+                    jax.tree.map(lambda v: v.astype(jnp.bfloat16), t), AXES)))]
+    for algorithm in algorithms:
+        for bits in args.bits:
+            codec = cgx.Codec(bits=bits, bucket_size=args.bucket_size, rounding=args.rounding)
+            if algorithm == "sra-wire":
+                if layout == "flat":  # the wire of the same values: the flat row has it
+                    methods.append((f"wire sra {bits}b", algorithm, bits,
+                                    _wire_only(codec, size, mesh.size)))
+                continue
+            label = "hier-sra" if algorithm == "hierarchical" else algorithm
+            methods.append((f"cgx {label} {bits}b", algorithm, bits,
+                            _compressed(codec, algorithm)))
+    return methods
+
+
+def _compressed(codec, algorithm: str):
+    import jax
+
+    import cgx_jax as cgx
+
+    if algorithm == "hierarchical":
+        return lambda v: cgx.compressed_psum(v, "proc", codec=codec, key=jax.random.key(0),
+                                             algorithm="sra", inner_axis_name="dev")
+    return lambda v: cgx.compressed_psum(v, AXES, codec=codec, key=jax.random.key(0),
+                                         algorithm=algorithm)
+
+
+def _wire_only(codec, size: int, n: int):
+    """SRA's collectives on packets of its byte count, nothing encoded or decoded."""
+    import jax
+    import jax.numpy as jnp
+
+    from cgx_jax._src.codec import packet_bytes
+    from cgx_jax._src.collectives import padding_multiple
+    from cgx_jax._src.collectives.transport import exchange_rows
+
+    multiple = padding_multiple("sra", codec, n)
+    chunk = packet_bytes(-(-size // multiple) * multiple // n, codec)
+
+    def body(v):
+        raw = jax.lax.bitcast_convert_type(v, jnp.uint8).reshape(-1)
+        raw = jnp.resize(raw, n * chunk).reshape(n, chunk)  # stands in for the packets
+        pieces = exchange_rows(raw, AXES, jax.lax.axis_index(AXES), n)
+        # XOR of the received pieces stands in for the reduction (uses every piece).
+        own = functools.reduce(jnp.bitwise_xor, list(pieces))
+        return jax.lax.all_gather(own, AXES, tiled=True)
+    return body
+
+
+def _measure(args, mesh, body, x, bf16_psum: bool) -> tuple[dict, object]:
+    """Times ``body`` under ``shard_map`` on ``x`` (one program in flight at a time,
+    docs/design.md section 9): ``(row fields, this process's first output row as f32)``;
+    ``bf16_psum``: also say whether XLA moved the bf16 psum in f32."""
+    import statistics
+
+    import jax
+    import numpy as np
+    from jax.sharding import PartitionSpec as P
+
+    fn = jax.jit(jax.shard_map(
+        lambda t: jax.tree.map(lambda v: v[None], body(jax.tree.map(lambda v: v[0], t))),
+        mesh=mesh, in_specs=P(AXES), out_specs=P(AXES)))
+    promoted = False
+    if bf16_psum:  # XLA:CPU promotes a bf16 all-reduce to f32 (its wire bytes are f32's)
+        hlo = fn.lower(x).compile().as_text()
+        promoted = any(" all-reduce(" in line and "= f32[" in line for line in hlo.splitlines())
+    for _ in range(args.warmup):
+        jax.block_until_ready(fn(x))
+    times, faults = [], []
+    for _ in range(args.repeats):
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        start = time.perf_counter()
+        out = jax.block_until_ready(fn(x))
+        times.append(time.perf_counter() - start)
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    own = np.concatenate([np.asarray(leaf.addressable_shards[0].data[0], np.float32)
+                          for leaf in jax.tree.leaves(out)])
+    return dict(seconds=statistics.median(times), times=times,
+                page_faults=statistics.median(faults), wire_promoted_to_f32=promoted), own
 
 
 def _torch_worker(args) -> None:
@@ -435,24 +455,11 @@ def plot(rows: list[dict], path: str, title: str) -> None:
 
 
 def write_reports(result: dict, args) -> None:
-    rows = result["rows"]
     title = (f"all-reduce, {result['processes']} processes x {result['devices_per_process']} "
              f"devices, median of {result['repeats']}; algbw = 2(N-1)/N * 4 B * size / time")
-    print(f"# {title}")
-    print(f"# CPU: {cpu_description()}")
-    for note in result["notes"]:
-        print(f"# {note}")
-    print(format_table(rows))
-    if any(r.get("wire_promoted_to_f32") for r in rows):
-        print(f"# note: {_PROMOTED_NOTE}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(format_markdown(rows, f"`{result['command']}`: {title}"))
-    if args.plot:
-        plot(rows, args.plot, result["command"])
+    promoted = any(r.get("wire_promoted_to_f32") for r in result["rows"])
+    common.write_reports(result, args, title, sys.modules[__name__],
+                         footnote=_PROMOTED_NOTE if promoted else "")
 
 
 # --------------------------------------------------------------------------- orchestrator

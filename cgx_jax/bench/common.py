@@ -4,6 +4,7 @@ one link rate after another with a clean stop (docs/design.md section 9)."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import re
@@ -156,3 +157,26 @@ def run_links(name: str, links, run_link) -> tuple[int, list, list]:
             signal.signal(s, handler)
         shutil.rmtree(tmp, ignore_errors=True)
     return code, rows, notes
+
+
+def write_reports(result: dict, args, title: str, report, footnote: str = "") -> None:
+    """Prints ``title``, the CPU, ``result["notes"]``, the table and ``footnote``; writes
+    ``--json`` (the whole result), ``--markdown`` and ``--plot`` where asked. ``report`` is
+    the benchmark's module, with its ``format_table(rows)``,
+    ``format_markdown(rows, title)`` and ``plot(rows, path, title)``."""
+    rows = result["rows"]
+    print(f"# {title}")
+    print(f"# CPU: {cpu_description()}")
+    for note in result["notes"]:
+        print(f"# {note}")
+    print(report.format_table(rows))
+    if footnote:
+        print(f"# note: {footnote}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(report.format_markdown(rows, f"`{result['command']}`: {title}"))
+    if args.plot:
+        report.plot(rows, args.plot, result["command"])

@@ -53,15 +53,16 @@ import time
 
 from cgx_jax._src.netem import shaped_network
 from cgx_jax._src.sharded import WEIGHT_CODEC
+from cgx_jax.bench import common
 from cgx_jax.bench.common import (
     add_report_arguments,
     add_worker_arguments,
     check_network_arguments,
-    cpu_description,
     run_links,
 )
 
 NS_PREFIX = "cgxtrain"
+AXIS = "d"  # the one mesh axis: every device of every process
 PORT = 23476
 MODES = ("floor", "exact", "cgx", "cgx 4b", "cgx 2b", "adaptive", "fsdp exact", "fsdp cgx",
          "fsdp 4b", "gspmd fsdp", "gspmd fsdp cgx")
@@ -167,156 +168,204 @@ def model_fns(name, hidden=2048):
 # --------------------------------------------------------------------------- worker
 
 def _worker(args) -> None:
+    """One process of the benchmark: every model's modes, timed in turns; rank 0 writes the
+    rows to ``args.out``."""
     from cgx_jax import launch as _launch
 
     if args.coordinator:
         os.environ[_launch.ENV_COORDINATOR] = args.coordinator
-    rank, num_processes = _launch.initialize()
-
-    import functools
-    import statistics
+    rank, _ = _launch.initialize()
 
     import jax
-    import jax.numpy as jnp
     import numpy as np
-    import optax
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.experimental import multihost_utils
+    from jax.sharding import Mesh
 
-    import cgx_jax as cgx
-
-    axis = "d"
-    mesh = Mesh(np.array(sorted(jax.devices(), key=lambda d: (d.process_index, d.id))), (axis,))
-    n = mesh.size
-    local = [d for d in mesh.devices.reshape(-1) if d.process_index == jax.process_index()]
-    steps = args.warmup + args.repeats
+    mesh = Mesh(np.array(sorted(jax.devices(), key=lambda d: (d.process_index, d.id))), (AXIS,))
     rows = []
-
-    def exact_pmean():
-        return optax.GradientTransformation(
-            lambda params: optax.EmptyState(),
-            lambda updates, state, params=None: (jax.lax.pmean(updates, axis), state))
-
     for model in args.models:
-        init, apply, example_shape = model_fns(model, args.mlp_hidden)
-        lr = LEARNING_RATES[model]
-        params = init(jax.random.key(0))
-        teacher = init(jax.random.key(1))
-
-        def loss_fn(params, batch):
-            x, y = batch
-            logits = apply(params, x)
-            return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-
-        # The same batches in every run: inputs from a seed per (process, step), labels from
-        # the teacher, placed as this process's shard of a global batch.
-        batches = []
-        for step in range(min(steps, 8)):
-            xs, ys = [], []
-            for device in local:
-                index = int(np.flatnonzero(mesh.devices.reshape(-1) == device)[0])
-                rng = np.random.default_rng([step, index])
-                x = rng.standard_normal((args.batch, *example_shape), dtype=np.float32)
-                y = np.asarray(jnp.argmax(apply(teacher, jnp.asarray(x)), -1), np.int32)
-                xs.append(jax.device_put(x, device))
-                ys.append(jax.device_put(y, device))
-            sharding = NamedSharding(mesh, P(axis))
-            batches.append(tuple(
-                jax.make_array_from_single_device_arrays((n * args.batch, *a[0].shape[1:]),
-                                                         sharding, a) for a in (xs, ys)))
-
-        def policy_for(mode):
-            if mode == "cgx":
-                return cgx.LayerPolicy()
-            if mode != "adaptive":  # "cgx 4b", "cgx 2b"
-                return cgx.LayerPolicy(default=cgx.Codec(bits=int(mode[4])))
-            # Fitted on the summed gradient, the same on every process, so every process
-            # fits the same policy and compiles the same collectives.
-            grad = jax.jit(jax.shard_map(jax.grad(loss_fn), mesh=mesh,
-                                         in_specs=(P(), P(axis)), out_specs=P()))
-            summed = jax.tree.map(lambda g: np.asarray(g.addressable_shards[0].data),
-                                  grad(params, batches[0]))
-            return cgx.fit_policy(summed, budget_bits=4.0, base=cgx.LayerPolicy())
-
-        def per_participant(tree):  # one row per participant, for the floor's own copies
-            return jax.tree.map(lambda leaf: jax.device_put(
-                jnp.broadcast_to(leaf, (n, *leaf.shape)), NamedSharding(mesh, P(axis))), tree)
-
-        f32_bytes = sum(4 * leaf.size for leaf in jax.tree.leaves(params))
-        runs = {}  # mode -> its compiled step, current parameters and state, policy, loss
-        for mode in args.modes:
-            if mode.startswith("fsdp"):
-                runs[mode] = _fsdp_run(mode, mesh, axis, params, loss_fn, optax.adam(lr))
-                continue
-            if mode.startswith("gspmd"):
-                runs[mode] = _gspmd_fsdp_run(mode, mesh, axis, params, loss_fn, optax.adam(lr))
-                continue
-            policy = None if mode in ("floor", "exact") else policy_for(mode)
-            tx = optax.adam(lr) if mode == "floor" else optax.chain(
-                exact_pmean() if mode == "exact" else
-                cgx.compressed_allreduce(axis, policy=policy), optax.adam(lr))
-            # Placed as the step returns them, so the second step does not compile again.
-            if mode == "floor":
-                param_specs = state_specs = P(axis)
-                run_params, state = per_participant(params), per_participant(tx.init(params))
-            else:
-                param_specs = P()
-                run_params = jax.device_put(params, NamedSharding(mesh, P()))
-                state = cgx.shard_state(tx.init(params), mesh, axis)
-                state_specs = cgx.state_specs(state, axis)
-
-            @jax.jit
-            @functools.partial(jax.shard_map, mesh=mesh,
-                               in_specs=(param_specs, state_specs, P(axis), P()),
-                               out_specs=(param_specs, state_specs, P()))
-            def train_step(params, state, batch, key, mode=mode, tx=tx):
-                del key  # the transform keeps its own
-                if mode == "floor":  # this process's own model, its own gradient
-                    params, state = jax.tree.map(lambda v: v[0], (params, state))
-                    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-                else:
-                    loss, grads = cgx.local_value_and_grad(loss_fn, axis)(params, batch)
-                updates, state = tx.update(grads, state, params)
-                params = optax.apply_updates(params, updates)
-                if mode == "floor":
-                    params, state = jax.tree.map(lambda v: v[None], (params, state))
-                return params, state, jax.lax.pmean(loss, axis)
-
-            wire = f32_bytes if mode == "exact" else (
-                0 if mode == "floor" else cgx.tree_wire_bytes(policy, params))
-            runs[mode] = dict(step=train_step, params=run_params, state=state,
-                              wire_bytes=wire, f32_bytes=f32_bytes)
-
-        for run in runs.values():  # per device: the compiled step's arguments + temporaries
-            memory = run["step"].lower(run["params"], run["state"], batches[0],
-                                       jax.random.key(0)).compile().memory_analysis()
-            run["memory_bytes"] = None if memory is None else (
-                memory.argument_size_in_bytes + memory.temp_size_in_bytes)
-        # The modes take turns, one step each, so a slow spell of the shared machine falls
-        # on all of them alike instead of on whichever mode was running then.
-        times = {mode: [] for mode in runs}
-        for step in range(steps):
-            for mode, run in runs.items():
-                start = time.perf_counter()
-                run["params"], run["state"], run["loss"] = jax.block_until_ready(run["step"](
-                    run["params"], run["state"], batches[step % len(batches)],
-                    jax.random.fold_in(jax.random.key(0), step)))
-                times[mode].append(time.perf_counter() - start)
-        for mode, run in runs.items():
-            timed = times[mode][args.warmup:]
-            loss = float(run["loss"])
-            rows.append(dict(model=model, mode=mode, seconds=statistics.median(timed),
-                             times=timed, loss=loss, steps=steps, parameters=f32_bytes // 4,
-                             wire_bytes=run["wire_bytes"], f32_bytes=run["f32_bytes"],
-                             memory_bytes=run["memory_bytes"]))
-            if rank == 0:
-                print(f"  {model:<4} {mode:<14} {statistics.median(timed) * 1e3:9.1f} ms/step  "
-                      f"loss {loss:.4f} after {steps} steps", flush=True)
-        del runs
+        rows += _model_rows(args, model, mesh, rank)
     if rank == 0:
         with open(args.out, "w") as f:
             json.dump(rows, f)
-    from jax.experimental import multihost_utils
     multihost_utils.sync_global_devices("cgx_bench_train_done")
+
+
+def _model_rows(args, model: str, mesh, rank: int) -> list[dict]:
+    """The rows of one model: each mode's step built and compiled, then all of them timed."""
+    import statistics
+
+    import jax
+    import optax
+
+    init, apply, example_shape = model_fns(model, args.mlp_hidden)
+    params = init(jax.random.key(0))
+
+    def loss_fn(params, batch):
+        x, y = batch
+        return optax.softmax_cross_entropy_with_integer_labels(apply(params, x), y).mean()
+
+    batches = _batches(args, mesh, apply, init(jax.random.key(1)), example_shape)
+    tx = optax.adam(LEARNING_RATES[model])
+    runs = {}  # mode -> its compiled step, current parameters and state, bytes, memory
+    for mode in args.modes:
+        if mode.startswith("fsdp"):
+            run = _fsdp_run(mode, mesh, AXIS, params, loss_fn, tx)
+        elif mode.startswith("gspmd"):
+            run = _gspmd_fsdp_run(mode, mesh, AXIS, params, loss_fn, tx)
+        else:
+            run = _data_parallel_run(mode, mesh, AXIS, params, loss_fn, tx, batches[0])
+        runs[mode] = _compiled(run, batches[0])
+    steps = args.warmup + args.repeats
+    times = _time_in_turns(runs, batches, steps)
+    rows = []
+    for mode, run in runs.items():
+        timed = times[mode][args.warmup:]
+        loss = float(run["loss"])
+        rows.append(dict(model=model, mode=mode, seconds=statistics.median(timed),
+                         times=timed, loss=loss, steps=steps,
+                         parameters=sum(leaf.size for leaf in jax.tree.leaves(params)),
+                         wire_bytes=run["wire_bytes"], f32_bytes=run["f32_bytes"],
+                         memory_bytes=run["memory_bytes"]))
+        if rank == 0:
+            print(f"  {model:<4} {mode:<14} {rows[-1]['seconds'] * 1e3:9.1f} ms/step  "
+                  f"loss {loss:.4f} after {steps} steps", flush=True)
+    return rows
+
+
+def _batches(args, mesh, apply, teacher, example_shape) -> list:
+    """The same batches in every run (up to 8, cycled): inputs from a seed per (step,
+    participant), labels from the teacher, placed as this process's shards of a global
+    batch."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    devices = list(mesh.devices.reshape(-1))
+    local = [d for d in devices if d.process_index == jax.process_index()]
+    sharding = NamedSharding(mesh, P(AXIS))
+    batches = []
+    for step in range(min(args.warmup + args.repeats, 8)):
+        xs, ys = [], []
+        for device in local:
+            rng = np.random.default_rng([step, devices.index(device)])
+            x = rng.standard_normal((args.batch, *example_shape), dtype=np.float32)
+            y = np.asarray(jnp.argmax(apply(teacher, jnp.asarray(x)), -1), np.int32)
+            xs.append(jax.device_put(x, device))
+            ys.append(jax.device_put(y, device))
+        batches.append(tuple(
+            jax.make_array_from_single_device_arrays((mesh.size * args.batch, *a[0].shape[1:]),
+                                                     sharding, a) for a in (xs, ys)))
+    return batches
+
+
+def _data_parallel_run(mode, mesh, axis, params, loss_fn, tx, batch) -> dict:
+    """The step of a data-parallel mode (``floor``, ``exact``, ``cgx``, ``cgx 4b``/``2b``,
+    ``adaptive``) and its placed parameters and state, placed as the step returns them (so
+    the second step does not compile again); its bytes per step."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    import cgx_jax as cgx
+
+    n = mesh.size
+    policy = _policy(mode, mesh, axis, params, loss_fn, batch)
+    if mode != "floor":
+        allreduce = (optax.GradientTransformation(  # lax.pmean as an Optax transform
+            lambda params: optax.EmptyState(),
+            lambda updates, state, params=None: (jax.lax.pmean(updates, axis), state))
+            if policy is None else cgx.compressed_allreduce(axis, policy=policy))
+        tx = optax.chain(allreduce, tx)
+    if mode == "floor":  # every participant its own copy, one row each
+        param_specs = state_specs = P(axis)
+        run_params, state = jax.tree.map(lambda leaf: jax.device_put(
+            jnp.broadcast_to(leaf, (n, *leaf.shape)), NamedSharding(mesh, P(axis))),
+            (params, tx.init(params)))
+    else:
+        param_specs = P()
+        run_params = jax.device_put(params, NamedSharding(mesh, P()))
+        state = cgx.shard_state(tx.init(params), mesh, axis)
+        state_specs = cgx.state_specs(state, axis)
+
+    @jax.jit
+    @functools.partial(jax.shard_map, mesh=mesh, in_specs=(param_specs, state_specs, P(axis), P()),
+                       out_specs=(param_specs, state_specs, P()))
+    def step(params, state, batch, key):
+        del key  # the transform keeps its own
+        if mode == "floor":  # this process's own model, its own gradient
+            params, state = jax.tree.map(lambda v: v[0], (params, state))
+            loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        else:
+            loss, grads = cgx.local_value_and_grad(loss_fn, axis)(params, batch)
+        updates, state = tx.update(grads, state, params)
+        params = optax.apply_updates(params, updates)
+        if mode == "floor":
+            params, state = jax.tree.map(lambda v: v[None], (params, state))
+        return params, state, jax.lax.pmean(loss, axis)
+
+    f32_bytes = sum(4 * leaf.size for leaf in jax.tree.leaves(params))
+    wire = (0 if mode == "floor" else f32_bytes if policy is None
+            else cgx.tree_wire_bytes(policy, params))
+    return dict(step=step, params=run_params, state=state, wire_bytes=wire,
+                f32_bytes=f32_bytes)
+
+
+def _policy(mode, mesh, axis, params, loss_fn, batch):
+    """The codecs of a data-parallel mode: None for ``floor`` and ``exact``; ``adaptive``
+    fitted on the summed gradient of the first batch, the same on every process, so every
+    process fits the same policy and compiles the same collectives."""
+    import jax
+    import numpy as np
+    from jax.sharding import PartitionSpec as P
+
+    import cgx_jax as cgx
+
+    if mode in ("floor", "exact"):
+        return None
+    if mode == "cgx":
+        return cgx.LayerPolicy()
+    if mode != "adaptive":  # "cgx 4b", "cgx 2b"
+        return cgx.LayerPolicy(default=cgx.Codec(bits=int(mode[4])))
+    grad = jax.jit(jax.shard_map(jax.grad(loss_fn), mesh=mesh, in_specs=(P(), P(axis)),
+                                 out_specs=P()))
+    summed = jax.tree.map(lambda g: np.asarray(g.addressable_shards[0].data),
+                          grad(params, batch))
+    return cgx.fit_policy(summed, budget_bits=4.0, base=cgx.LayerPolicy())
+
+
+def _compiled(run: dict, batch) -> dict:
+    """``run`` with its step compiled once, ahead of time, and the compiled step's memory
+    per device (its arguments and temporaries, ``memory_analysis()``)."""
+    import jax
+
+    run["step"] = run["step"].lower(run["params"], run["state"], batch,
+                                    jax.random.key(0)).compile()
+    memory = run["step"].memory_analysis()
+    run["memory_bytes"] = None if memory is None else (
+        memory.argument_size_in_bytes + memory.temp_size_in_bytes)
+    return run
+
+
+def _time_in_turns(runs: dict, batches, steps: int) -> dict:
+    """Seconds of each step of each mode. The modes take turns, one step each, so a slow
+    spell of the shared machine falls on all of them alike instead of on whichever mode was
+    running then."""
+    import jax
+
+    times = {mode: [] for mode in runs}
+    for step in range(steps):
+        for mode, run in runs.items():
+            start = time.perf_counter()
+            run["params"], run["state"], run["loss"] = jax.block_until_ready(run["step"](
+                run["params"], run["state"], batches[step % len(batches)],
+                jax.random.fold_in(jax.random.key(0), step)))
+            times[mode].append(time.perf_counter() - start)
+    return times
 
 
 def _fsdp_run(mode, mesh, axis, params, loss_fn, tx) -> dict:
@@ -504,22 +553,9 @@ def plot(rows: list[dict], path: str, title: str) -> None:
 
 
 def write_reports(result: dict, args) -> None:
-    rows = result["rows"]
     title = (f"training steps, {result['processes']} processes, batch {result['batch']} per "
              f"process, Adam, median of {result['repeats']} steps after {result['warmup']}")
-    print(f"# {title}")
-    print(f"# CPU: {cpu_description()}")
-    for note in result["notes"]:
-        print(f"# {note}")
-    print(format_table(rows))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(format_markdown(rows, f"`{result['command']}`: {title}"))
-    if args.plot:
-        plot(rows, args.plot, result["command"])
+    common.write_reports(result, args, title, sys.modules[__name__])
 
 
 # --------------------------------------------------------------------------- orchestrator
