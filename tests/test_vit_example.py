@@ -155,27 +155,38 @@ def assert_bitwise_equal(got, expected):
         assert value.tobytes() == got[key].tobytes(), key
 
 
+def _finished_steps(folder) -> list[int]:
+    """The steps of the checkpoints Orbax has finished in ``folder`` (it writes each into a
+    temporary folder and renames it once every process is done)."""
+    return sorted(int(p.name[5:]) for p in folder.glob("step_*") if p.name[5:].isdigit())
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_a_killed_rank_restarts_and_resumes_bit_for_bit(tmp_path):
-    """Two processes of two devices train with 4-bit error feedback, checkpointing every 50
-    steps. Rank 1 is killed (SIGKILL) once the first checkpoint exists; under --max-restarts
-    1 both ranks start again, resume from the newest checkpoint, and the final parameters,
-    optimizer state (every device's residual, the noise key) and loss history are bitwise
-    those of the same run left alone."""
-    whole = _launch_training(tmp_path / "whole")
-    out, err = whole.communicate(timeout=300)
-    assert whole.returncode == 0, err[-3000:]
-
-    interrupted = tmp_path / "interrupted"
-    launched = _launch_training(interrupted, max_restarts=1)
+    """Two processes of two devices train with 4-bit error feedback under --max-restarts 1,
+    checkpointing every 50 steps. Once the checkpoint of step 100 exists both ranks are
+    frozen (SIGSTOP), the newest checkpoint is moved aside as the reference, and rank 1 is
+    killed (SIGKILL). Both ranks start again, resume from the checkpoint before it, and
+    write that step again: bitwise the reference that the uninterrupted ranks wrote
+    (parameters, optimizer state with every device's residual and the noise key, the data's
+    place and the loss history)."""
+    checkpoints = tmp_path / "run"
+    launched = _launch_training(checkpoints, max_restarts=1)
     try:
         deadline = time.monotonic() + 240
-        while not (interrupted / f"step_{CHECKPOINT_EVERY:08d}").exists():
+        while 2 * CHECKPOINT_EVERY not in _finished_steps(checkpoints):
             assert launched.poll() is None and time.monotonic() < deadline
             time.sleep(0.01)
-        pid = _rank_pid(str(interrupted), 1)
-        assert pid is not None
-        os.kill(pid, signal.SIGKILL)
+        pids = [_rank_pid(str(checkpoints), rank) for rank in (0, 1)]
+        assert None not in pids
+        for pid in pids:  # frozen, so no checkpoint appears after the one set aside
+            os.kill(pid, signal.SIGSTOP)
+        newest = _finished_steps(checkpoints)[-1]
+        assert CHECKPOINT_EVERY < newest < RESTART_STEPS
+        reference = tmp_path / "reference"
+        shutil.move(checkpoints / f"step_{newest:08d}", reference)
+        os.kill(pids[1], signal.SIGKILL)
+        os.kill(pids[0], signal.SIGCONT)  # blocked on its dead peer until the launcher stops it
         out, err = launched.communicate(timeout=300)
     finally:
         launched.kill()
@@ -183,18 +194,18 @@ def test_a_killed_rank_restarts_and_resumes_bit_for_bit(tmp_path):
     assert "rank 1 failed with signal SIGKILL" in err, err[-3000:]
     assert "restarting all 2 processes (restart 1 of 1)" in err
     resumed = {int(s) for s in re.findall(r"resumed from the checkpoint of step (\d+)", out)}
-    assert len(resumed) == 1 and min(resumed) < RESTART_STEPS, out[-3000:]
+    assert resumed == {newest - CHECKPOINT_EVERY}, out[-3000:]
     assert out.count("(restart 1)") == 2  # both ranks resumed
 
-    final = f"step_{RESTART_STEPS:08d}"
-    (expected, expected_host), (got, got_host) = (read_checkpoint(tmp_path / "whole" / final),
-                                                  read_checkpoint(interrupted / final))
+    (expected, expected_host), (got, got_host) = (
+        read_checkpoint(reference), read_checkpoint(checkpoints / f"step_{newest:08d}"))
     residuals = [k for k in expected if "['residual']" in k]
     assert residuals and all(expected[k].shape[0] == 4 for k in residuals)  # one per device
     assert any(not np.array_equal(expected[k][0], expected[k][3]) for k in residuals)
     assert "[1][0]['rng_key']" in expected  # the noise key
     assert_bitwise_equal(got, expected)
-    assert got_host == expected_host and len(got_host["losses"]) == RESTART_STEPS
+    assert got_host == expected_host and len(got_host["losses"]) == newest
+    assert RESTART_STEPS in _finished_steps(checkpoints)  # and it trained to the end
 
 
 def test_fsdp_modes_train_like_the_data_parallel_baseline():
