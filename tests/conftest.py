@@ -16,6 +16,13 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests that start processes (``starts_processes``: launches, benchmarks, builds) run
+    first: each takes seconds to tens of seconds, and run last they leave one test worker
+    busy while the other has nothing left to do."""
+    items.sort(key=lambda item: item.get_closest_marker("starts_processes") is None)
+
+
 @pytest.fixture(scope="session")
 def cpu_devices():
     devices = jax.devices("cpu")

@@ -13,6 +13,8 @@ import textwrap
 
 import pytest
 
+pytestmark = pytest.mark.starts_processes  # run first (tests/conftest.py)
+
 SCRIPT = textwrap.dedent("""
     import hashlib, jax, jax.numpy as jnp, numpy as np
     from cgx_jax import _cgx_cpu

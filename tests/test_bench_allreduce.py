@@ -98,6 +98,7 @@ def test_ratios_table_markdown_and_plot(tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.starts_processes
 def test_unshaped_run_flat_and_hierarchical(tmp_path):
     out = tmp_path / "rows.json"
     done = run_cli("--processes", "2", "--devices-per-process", "2", "--link", "none",

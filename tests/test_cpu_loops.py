@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.starts_processes  # run first (tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parent.parent
 BUILD = ROOT / "tests" / "cpu_loops" / "build.sh"
 CROSS = "aarch64-linux-gnu-g++"

@@ -28,6 +28,8 @@ from processes import (
 from cgx_jax import launch
 from cgx_jax._src import netem, supervisor
 
+pytestmark = pytest.mark.starts_processes  # run first (tests/conftest.py)
+
 
 def test_failing_process_stops_the_launch(tmp_path):
     done, seconds = launch_worker(2, 1, tmp_path, "fail", timeout=60)

@@ -191,6 +191,7 @@ def test_estimate_takes_a_saved_profile_and_refuses_bad_policies(tmp_path):
         cgx.estimate(MLP, path, policies={})
 
 
+@pytest.mark.starts_processes
 def test_bench_link_writes_a_profile_across_processes(tmp_path):
     """Two processes on loopback, small sizes: a profile the link model loads, with the
     measurements it was fitted to, all costs non-negative."""

@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 from processes import assert_bitwise_equal, gather_results, launch_worker, single_process
 
+pytestmark = pytest.mark.starts_processes  # run first (tests/conftest.py)
+
 
 @pytest.mark.parametrize("num_processes, devices_per_process", [(4, 1), (2, 2)],
                          ids=["4x1", "2x2"])
