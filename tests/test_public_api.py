@@ -1,5 +1,6 @@
 """The public API is one list, ``cgx_jax.__all__`` (docs/design.md section 6): what ``import
-cgx_jax`` exposes, each name documented with an example, implemented under ``cgx_jax._src``
+cgx_jax`` exposes, each name documented with an example (each function with its
+arguments and result), implemented under ``cgx_jax._src``
 (which is not API), and the internals not importable under their old public paths."""
 
 import inspect
@@ -42,6 +43,26 @@ def test_import_cgx_jax_exposes_the_api_and_nothing_else():
 def test_every_public_name_is_documented_with_an_example(name):
     doc = inspect.getdoc(getattr(cgx, name)) or ""
     assert "Example" in doc and ">>>" in doc, f"cgx_jax.{name} has no example in its docstring"
+
+
+FUNCTIONS = [name for name in PUBLIC if inspect.isfunction(getattr(cgx, name))]
+
+
+@pytest.mark.parametrize("name", FUNCTIONS)
+def test_every_public_function_documents_its_arguments_and_result(name):
+    """Google style, as optax and Flax write it: an ``Args:`` section naming every
+    parameter (several may share a line), then ``Returns:``, before the example."""
+    function = getattr(cgx, name)
+    doc = inspect.getdoc(function)
+    parameters = list(inspect.signature(function).parameters)
+    assert "Returns:" in doc, f"cgx_jax.{name}: no Returns: section"
+    assert doc.index("Returns:") < doc.index("Example"), name
+    if parameters:
+        args = doc[doc.index("Args:"):doc.index("Returns:")] if "Args:" in doc else ""
+        named = {word for line in args.splitlines()[1:] if ":" in line
+                 for word in line.split(":")[0].replace(",", " ").split()}
+        assert set(parameters) <= named, (
+            f"cgx_jax.{name}: Args: does not name {sorted(set(parameters) - named)}")
 
 
 @pytest.mark.parametrize("name", PUBLIC)

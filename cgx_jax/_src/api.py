@@ -44,6 +44,19 @@ def quantize(x, codec: Codec, key=None, *, backend: str = "ffi"):
     The flattened array is padded to whole buckets by repeating its last value. Stochastic
     rounding needs ``key``.
 
+    Args:
+      x: a floating array (f32, bf16 or f16) of any shape.
+      codec: the ``Codec`` (bits, bucket size, rounding).
+      key: PRNG key of the noise; required with stochastic rounding.
+      backend: ``"ffi"`` or ``"jax"``.
+
+    Returns:
+      A ``uint8`` array of ``cgx.wire_bytes(x.size, codec)`` bytes.
+
+    Raises:
+      TypeError: a non-floating ``x``.
+      ValueError: stochastic rounding without ``key``.
+
     Example:
         >>> import cgx_jax as cgx, jax, jax.numpy as jnp
         >>> codec = cgx.Codec(bits=4, bucket_size=64, rounding="nearest")
@@ -63,6 +76,19 @@ def quantize(x, codec: Codec, key=None, *, backend: str = "ffi"):
 
 def dequantize(packets, codec: Codec, shape, dtype=jnp.float32, *, backend: str = "ffi"):
     """Decodes a packet made by ``quantize`` back into an array of ``shape`` and ``dtype``.
+
+    Args:
+      packets: the ``uint8`` packet ``quantize`` returned.
+      codec: the codec it was encoded with.
+      shape: the shape of the encoded array.
+      dtype: the dtype to decode into (default f32).
+      backend: ``"ffi"`` or ``"jax"``.
+
+    Returns:
+      An array of ``shape`` and ``dtype``.
+
+    Raises:
+      ValueError: a packet whose size does not match ``shape`` and ``codec``.
 
     Example:
         >>> import cgx_jax as cgx, jax.numpy as jnp
@@ -245,6 +271,26 @@ def compressed_psum(x, axis_name, *, codec: Codec | None = None,
     each scattered piece (N is the outer size), an exact ``lax.all_gather`` over the inner
     axis. The result is the compressed outer reduction of the exact inner sums.
 
+    Args:
+      x: a pytree of arrays (each participant's values).
+      axis_name: the bound axis to sum over, or a tuple of mesh axes summed as one group.
+      codec: one ``Codec`` for every floating leaf (exclusive with ``policy``).
+      policy: a ``LayerPolicy`` choosing each leaf's codec (default ``LayerPolicy()``).
+      key: PRNG key of the stochastic rounding noise; required when a codec rounds
+        stochastically.
+      algorithm: ``"auto"``, ``"sra"``, ``"allgather"`` or ``"ring"`` (above).
+      inner_axis_name: a fast inner axis for the hierarchical reduction (above).
+      backend: ``"ffi"`` (the C++/CUDA kernels) or ``"jax"`` (the same format in jnp).
+
+    Returns:
+      The sum over participants: ``x``'s structure, shapes and dtypes, bitwise identical
+      on every participant.
+
+    Raises:
+      ValueError: a bad algorithm or axis; a stochastic codec without ``key``.
+      TypeError: a ``codec`` or ``policy`` of the wrong type.
+      cgx.ProcessesDisagreeError: processes that would send different traffic.
+
     Example:
         >>> import jax, jax.numpy as jnp, numpy as np, cgx_jax as cgx
         >>> from jax.sharding import Mesh, PartitionSpec as P
@@ -266,6 +312,16 @@ def compressed_pmean(x, axis_name, *, codec: Codec | None = None,
     """``compressed_psum`` divided by the number of participants (``lax.pmean`` for exact
     leaves); same arguments. With ``inner_axis_name`` it divides by the total count, inner
     size times outer size.
+
+    Args:
+      x, axis_name, codec, policy, key, algorithm, inner_axis_name, backend: as for
+        ``compressed_psum``.
+
+    Returns:
+      The mean over participants, with ``x``'s structure, shapes and dtypes.
+
+    Raises:
+      ValueError: as ``compressed_psum``.
 
     Example:
         >>> import jax, jax.numpy as jnp, cgx_jax as cgx

@@ -91,6 +91,13 @@ def pad_to_multiple(flat, multiple: int):
 def packet_bytes(n: int, codec: Codec) -> int:
     """Bytes of the packet that encodes ``n`` values, ``n`` a multiple of the bucket size.
 
+    Args:
+      n: the number of values, a multiple of ``codec.bucket_size``.
+      codec: the ``Codec``.
+
+    Returns:
+      The packet's size in bytes.
+
     Example:
         >>> import cgx_jax as cgx
         >>> cgx.packet_bytes(2048, cgx.Codec(bits=4, bucket_size=1024))
@@ -104,6 +111,13 @@ def packet_bytes(n: int, codec: Codec) -> int:
 
 def wire_bytes(n: int, codec: Codec) -> int:
     """Bytes of the packet for ``n`` values of any count (padded to whole buckets).
+
+    Args:
+      n: the number of values.
+      codec: the ``Codec``.
+
+    Returns:
+      The packet's size in bytes, ``n`` padded to whole buckets.
 
     Example:
         >>> import cgx_jax as cgx

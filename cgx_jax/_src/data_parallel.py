@@ -97,12 +97,15 @@ def value_and_grad(fun: Callable, *, mesh: Mesh, axis_name: str, argnums=0,
       fun: the loss, ``fun(*args) -> scalar`` (``(scalar, aux)`` with ``has_aux``), written
         as under GSPMD, but run once per data-parallel participant on that participant's
         rows: sizes taken from the arrays (``x.shape[0]``), not from the global batch.
-      mesh: the mesh the step runs on; axis_name: its data-parallel axis. Every argument not
-        in ``argnums`` is a batch, split over ``axis_name`` along its first dimension;
-        arguments in ``argnums`` (parameters, or an NNX module) may be sharded over the other
-        mesh axes, and replicated over ``axis_name`` or sharded over it (FSDP, below).
-      policy: the gradients' per-leaf codecs (default ``LayerPolicy()``); key (the noise's
-        PRNG key, folded with ``step``), algorithm, backend: as for ``compressed_allreduce``.
+      mesh: the mesh the step runs on.
+      axis_name: its data-parallel axis. Every argument not in ``argnums`` is a batch, split
+        over ``axis_name`` along its first dimension; arguments in ``argnums`` (parameters,
+        or an NNX module) may be sharded over the other mesh axes, and replicated over
+        ``axis_name`` or sharded over it (FSDP, below).
+      argnums, has_aux: as for ``jax.value_and_grad``.
+      policy: the gradients' per-leaf codecs (default ``LayerPolicy()``).
+      key: the noise's PRNG key, folded with ``step`` (default ``jax.random.key(0)``).
+      algorithm, backend: as for ``compressed_allreduce``.
       weight_policy: the codecs of FSDP parameters' weights as they are gathered (default
         ``LayerPolicy(default=Codec(bits=8, rounding="nearest"))``).
       param_specs: the parameters' ``PartitionSpec``s over the other mesh axes (a tree
@@ -153,12 +156,22 @@ def value_and_grad(fun: Callable, *, mesh: Mesh, axis_name: str, argnums=0,
     differentiated, and the gradients hold ``None`` for the other leaves, as
     ``equinox.filter_value_and_grad`` gives.
 
-    Returns ``(value, grads)`` (``((value, aux), grads)`` with ``has_aux``): the loss averaged
-    over participants (aux leaves too, which must be floating arrays), and the averaged
-    gradients, of the arguments' types and structure, sharded like the parameters (so
-    replicated over ``axis_name`` but for FSDP parameters). An NNX
-    module's other state is updated as ``cgx.local_value_and_grad`` says (RNG counts
+    An NNX module's other state is updated as ``cgx.local_value_and_grad`` says (RNG counts
     advanced, each participant its own dropout masks, BatchNorm statistics averaged).
+
+    Returns:
+      ``grad_fn``, which returns ``(value, grads)`` (``((value, aux), grads)`` with
+      ``has_aux``; with ``error_feedback``, the new residual as a third value): the loss
+      averaged over participants (aux leaves too, which must be floating arrays), and the
+      averaged gradients, of the arguments' types and structure, sharded like the
+      parameters (so replicated over ``axis_name`` but for FSDP parameters).
+
+    Raises:
+      ValueError: an ``axis_name`` not in ``mesh``; a bad ``keep_for_backward``; and, when
+        ``grad_fn`` is called, FSDP parameters with ``error_feedback``, a missing or
+        mismatched ``residual``, or ``param_specs`` that contradict the parameters.
+      TypeError: a Python int or non-integer ``step``; a ``policy`` or ``key`` of the
+        wrong type.
 
     Example:
         >>> import jax, jax.numpy as jnp, numpy as np, cgx_jax as cgx
@@ -675,6 +688,20 @@ def init_residual(params, *, mesh: Mesh, axis_name: str, param_specs=None, polic
     like each parameter (``param_specs`` or the NNX sharding annotations), so no device holds
     another's residual or a full copy of a model-sharded one. Save it with the optimizer
     state: a restored run continues bit for bit.
+
+    Args:
+      params: the parameters (a pytree, an ``nnx.State`` or an NNX module).
+      mesh: the mesh of the step.
+      axis_name: its data-parallel axis.
+      param_specs: the parameters' ``PartitionSpec``s over the other axes (default: the
+        NNX annotations, else replicated).
+      policy: the ``value_and_grad`` function or its ``LayerPolicy``.
+
+    Returns:
+      A pytree of zero f32 arrays, one per leaf of ``params``, placed on ``mesh``.
+
+    Raises:
+      ValueError: parameters sharded over ``axis_name`` (FSDP has no error feedback).
 
     Example:
         >>> import jax, jax.numpy as jnp, cgx_jax as cgx

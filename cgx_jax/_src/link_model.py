@@ -222,6 +222,21 @@ def estimate(tree, link, *, policies: dict | None = None,
     the whole step (``bench train``'s ``floor``, or your step timed with ``lax.pmean``
     removed).
 
+    Args:
+      tree: the gradients, parameters or shapes, or a model (above).
+      link: a ``LinkProfile``, or the path of a saved one.
+      policies: name -> ``LayerPolicy`` to compare (default ``default_policies()``).
+      step_seconds: the step's compute time, to weigh the saving against.
+
+    Returns:
+      An ``Estimate``: per policy its wire bytes, predicted all-reduce seconds and saving,
+      and a verdict that says when compression will not pay, and why.
+
+    Raises:
+      ValueError: a tree with no floating array, an empty ``policies``, or a
+        ``step_seconds`` that is not a finite number >= 0.
+      OSError: a profile path that cannot be read.
+
     Example:
         >>> import jax.numpy as jnp, cgx_jax as cgx
         >>> link = cgx.LinkProfile(processes=4, exact_latency=1e-3, seconds_per_byte=8e-9,

@@ -40,6 +40,13 @@ def keep_freed_memory(threshold: int = DEFAULT_THRESHOLD, *, one_arena: bool = F
     before JAX's first computation; all threads then share one allocator lock). Returns
     whether it was applied (False off glibc, or when ``CGX_JAX_KEEP_FREED_MEMORY=0``).
 
+    Args:
+      threshold: the largest block, in bytes, kept instead of unmapped.
+      one_arena: also serve every thread from one heap.
+
+    Returns:
+      Whether the setting was applied.
+
     Example:
         >>> import cgx_jax as cgx
         >>> cgx.keep_freed_memory() in (True, False)

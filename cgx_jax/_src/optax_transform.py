@@ -94,6 +94,13 @@ def compressed_allreduce(axis_name, *, policy: LayerPolicy | None = None, mean: 
     of them, so every replica skips the step together) and inside ``optax.MultiSteps`` (the
     all-reduce then runs only on the real step).
 
+    Returns:
+      A ``CompressedAllReduce``: an ``optax.GradientTransformation`` (state:
+      ``CompressedAllReduceState``) whose ``policy`` attribute is the policy it runs.
+
+    Raises:
+      TypeError: a ``policy``, ``key`` or ``adaptive`` of the wrong type.
+
     Example:
         >>> import jax, jax.numpy as jnp, optax, cgx_jax as cgx
         >>> tx = optax.chain(cgx.compressed_allreduce("batch"), optax.sgd(0.1))
@@ -163,6 +170,16 @@ def state_specs(state, axis_name):
     the per-participant leaves (the error-feedback residual, one row per participant), ``P()``
     for everything else (replicated).
 
+    Args:
+      state: the optimizer state.
+      axis_name: the data-parallel axis (or tuple of axes).
+
+    Returns:
+      A pytree of ``PartitionSpec``s with ``state``'s structure (NNX Variables as leaves).
+
+    Raises:
+      TypeError: an ``nnx.Optimizer`` or its state.
+
     Example:
         >>> import jax.numpy as jnp, optax, cgx_jax as cgx
         >>> tx = optax.chain(cgx.compressed_allreduce("batch", error_feedback=True),
@@ -213,6 +230,18 @@ def shard_state(state, mesh: Mesh, axis_name):
     with one row per participant along ``axis_name`` (a row of ``tx.init``'s output is
     repeated for every participant; a state restored from a checkpoint, with all its rows,
     is placed as it is), the rest replicated.
+
+    Args:
+      state: the optimizer state (``tx.init(params)``, or one restored from a checkpoint).
+      mesh: the mesh of the step.
+      axis_name: its data-parallel axis (or tuple of axes).
+
+    Returns:
+      The state with every leaf placed on ``mesh``.
+
+    Raises:
+      ValueError: a per-participant leaf with neither 1 nor one row per participant.
+      TypeError: an ``nnx.Optimizer`` or its state.
 
     Example:
         >>> import jax, jax.numpy as jnp, numpy as np, optax, cgx_jax as cgx

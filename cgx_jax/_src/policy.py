@@ -46,6 +46,12 @@ def leaf_paths(tree) -> list[str]:
     """The ``a/b/c`` names of the leaves of ``tree``, in ``tree_leaves`` order: what the
     regexes of ``LayerPolicy(exclude=..., overrides=...)`` are matched against.
 
+    Args:
+      tree: any pytree.
+
+    Returns:
+      One ``str`` per leaf.
+
     Example:
         >>> import cgx_jax as cgx, jax.numpy as jnp
         >>> cgx.leaf_paths({"mlp": {"kernel": jnp.zeros(2), "bias": jnp.zeros(2)}})
@@ -226,6 +232,13 @@ def tree_wire_bytes(policy: LayerPolicy, tree) -> int:
     """Bytes one participant sends to all-reduce ``tree`` under ``policy``: the total of
     ``summary``'s wire bytes column.
 
+    Args:
+      policy: the ``LayerPolicy``.
+      tree: the gradients, parameters or their shapes.
+
+    Returns:
+      The bytes, an ``int``.
+
     Example:
         >>> import cgx_jax as cgx, jax.numpy as jnp
         >>> tree = {"w": jnp.zeros((256, 256)), "b": jnp.zeros(256)}
@@ -257,6 +270,13 @@ def summary(policy, tree) -> str:
     whole buckets, as in the fused buffer; exact leaves at their own dtype's size. ``policy``
     may also be the ``cgx.compressed_allreduce`` transform or ``cgx.value_and_grad`` function
     that runs it, so the table shows what that transform does.
+
+    Args:
+      policy: a ``LayerPolicy``, or the transform or ``value_and_grad`` function using one.
+      tree: the gradients, parameters or their shapes.
+
+    Returns:
+      The table, as text.
 
     Example:
         >>> import cgx_jax as cgx, jax.numpy as jnp

@@ -140,6 +140,22 @@ def compressed_all_gather(x, axis_name, *, axis: int = 0, tiled: bool = False,
     are returned as they are, so a whole model state can be passed (not with ``axis`` or
     ``tiled``).
 
+    Args:
+      x: a pytree of arrays (this participant's shards).
+      axis_name: the bound axis to gather over.
+      axis, tiled: as for ``lax.all_gather``.
+      codec, policy, key, backend: as for ``compressed_psum``.
+      grad_codec: the codec of the gradient's reduce-scatter (``None``: exact).
+      specs: the ``PartitionSpec``s the tree was split by (above).
+
+    Returns:
+      The gathered pytree, laid out as ``lax.all_gather`` lays it out.
+
+    Raises:
+      ValueError: bad ``specs``; a stochastic codec without ``key`` (also the gradient's).
+      TypeError: a ``codec`` or ``policy`` of the wrong type.
+      cgx.ProcessesDisagreeError: processes that would send different traffic.
+
     Example:
         >>> import jax, jax.numpy as jnp, cgx_jax as cgx
         >>> w = jnp.linspace(-1, 1, 128 * 256).reshape(1, 128, 256)  # one shard per device
@@ -372,6 +388,22 @@ def compressed_psum_scatter(x, axis_name, *, scatter_dimension: int = 0, tiled: 
     participant; small, 1-D and non-floating leaves exact through ``lax.psum_scatter``).
     Under ``jax.grad`` it acts as the exact ``lax.psum_scatter`` (its transpose is the exact
     ``lax.all_gather``: straight-through). Leaves sharing a codec share one exchange.
+
+    Args:
+      x: a pytree of arrays (each participant's values).
+      axis_name: the bound axis to reduce-scatter over.
+      scatter_dimension, tiled: as for ``lax.psum_scatter``.
+      codec, policy, key, backend: as for ``compressed_psum``.
+      what: the name errors use for the caller.
+
+    Returns:
+      This participant's chunk of the sum, laid out as ``lax.psum_scatter`` lays it out.
+
+    Raises:
+      ValueError: a scatter dimension that does not fit the participants; a stochastic
+        codec without ``key``.
+      TypeError: a ``codec`` or ``policy`` of the wrong type.
+      cgx.ProcessesDisagreeError: processes that would send different traffic.
 
     Example:
         >>> import jax, jax.numpy as jnp, cgx_jax as cgx

@@ -98,6 +98,18 @@ def local_value_and_grad(fun, axis_name, *, argnums=0, has_aux: bool = False):
     integer state that comes out different on each participant is refused with a
     ``ValueError`` naming it (docs/design.md section 6).
 
+    Args:
+      fun: the loss, ``fun(*args) -> scalar`` (``(scalar, aux)`` with ``has_aux``).
+      axis_name: the bound data-parallel axis (or tuple of axes).
+      argnums, has_aux: as for ``jax.value_and_grad``.
+
+    Returns:
+      A function of ``fun``'s arguments returning ``(value, grads)`` (``((value, aux),
+      grads)`` with ``has_aux``): this participant's own loss and gradients.
+
+    Raises:
+      ValueError: integer module state that differs between participants.
+
     Example:
         >>> import jax, jax.numpy as jnp, numpy as np, cgx_jax as cgx
         >>> from jax.sharding import Mesh, PartitionSpec as P

@@ -119,6 +119,13 @@ def fit_policy(grads_or_table, *, budget_bits: float = 4.0, choices=None, bucket
       objective: ``"error"`` or ``"bytes"``.
       cells: resolution of the dynamic program.
 
+    Returns:
+      ``base`` with one override per candidate leaf: the fitted ``LayerPolicy``.
+
+    Raises:
+      ValueError: a bad ``objective``, ``cells``, width or budget; non-finite errors.
+      TypeError: a ``base`` that is not a ``LayerPolicy``.
+
     Example:
         >>> import cgx_jax as cgx, jax, jax.numpy as jnp
         >>> k1, k2 = jax.random.split(jax.random.key(0))

@@ -124,6 +124,17 @@ def layer_errors(grads, choices=DEFAULT_CHOICES, bucket_size: int = DEFAULT_BUCK
     (leaf, bits) choices, which is what the fit uses, is the same. The error sums over the
     leaf's own values, not the padding. Jittable (shapes and paths are static).
 
+    Args:
+      grads: a gradient pytree (a representative step's).
+      choices: the bit widths to measure.
+      bucket_size: the codecs' bucket size.
+      base: the policy whose compressed leaves are the candidates.
+      backend: ``"ffi"`` or ``"jax"``.
+
+    Returns:
+      An ``ErrorTable``: per candidate leaf its path, size, and squared error and packet
+      bytes at each width.
+
     Example:
         >>> import cgx_jax as cgx, jax, jax.numpy as jnp
         >>> grads = {"w": jax.random.normal(jax.random.key(0), (64, 64)), "b": jnp.ones(64)}

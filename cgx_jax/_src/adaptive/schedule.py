@@ -104,6 +104,17 @@ def refit_policy(state_or_table, config: AdaptiveConfig, *,
     handful. Pass the policy the transform was built with as ``base`` (a fitted policy is a
     valid base: its own overrides are replaced, and the state's table keeps its structure).
 
+    Args:
+      state_or_table: the optimizer state (or an ``ErrorTable``).
+      config: the ``AdaptiveConfig`` the transform was built with.
+      base: the policy the transform was built with (default ``LayerPolicy()``).
+
+    Returns:
+      The fitted ``LayerPolicy``.
+
+    Raises:
+      TypeError: a state without ``compressed_allreduce(adaptive=...)`` statistics.
+
     Example:
         >>> import cgx_jax as cgx, jax, jax.numpy as jnp, optax
         >>> config = cgx.AdaptiveConfig(bucket_size=256, every=5, warmup=1)

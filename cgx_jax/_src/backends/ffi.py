@@ -41,6 +41,9 @@ def _import_cuda_module():
 def has_cuda_support() -> bool:
     """Whether this build of cgx_jax contains the CUDA kernels (module ``_cgx_cuda``).
 
+    Returns:
+      True when ``cgx_jax._cgx_cuda`` was built and imports.
+
     Example:
         >>> import cgx_jax as cgx
         >>> isinstance(cgx.has_cuda_support(), bool)
