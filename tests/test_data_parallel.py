@@ -71,6 +71,27 @@ def test_matches_shard_map_reference_bit_for_bit_and_exact_within_the_bound(cpu_
         assert grads[name].shape == params[name].shape and grads[name].dtype == jnp.float32
 
 
+def test_an_eager_call_gives_the_jitted_bits_with_and_without_a_residual(cpu_devices):
+    """Called outside jit, each stage runs as one compiled program (it used to run op by op):
+    the same loss, gradients, residual and shardings as under jax.jit, with the default
+    4-bit stochastic policy (the noise from the step)."""
+    mesh = mesh_1d(cpu_devices)
+    params, x, y = regression(d=256)
+    step = jnp.int32(7)
+    grad_fn = cgx.value_and_grad(mse, mesh=mesh, axis_name="data")
+    ef_fn = cgx.value_and_grad(mse, mesh=mesh, axis_name="data", error_feedback=True)
+    residual = cgx.init_residual(params, mesh=mesh, axis_name="data", policy=ef_fn)
+    for fn, extra in ((grad_fn, {}), (ef_fn, {"residual": residual})):
+        eager = fn(params, x, y, step=step, **extra)
+        jitted = jax.jit(lambda p, x, y, s, e, fn=fn: fn(p, x, y, step=s, **e))(
+            params, x, y, step, extra)
+        assert jax.tree.structure(eager) == jax.tree.structure(jitted)
+        for a, b in zip(jax.tree.leaves(eager), jax.tree.leaves(jitted)):
+            assert a.dtype == b.dtype and a.sharding.is_equivalent_to(b.sharding, a.ndim)
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert cgx.summary(grad_fn, params).count("4 bit") >= 1  # "w1" compressed: noise used
+
+
 def test_explicit_mesh_axes_and_bf16(cpu_devices):
     mesh = mesh_1d(cpu_devices, axis_types=(AxisType.Explicit,))
     params, x, y = regression(dtype=jnp.bfloat16)

@@ -466,8 +466,18 @@ def _local_gradients(call: _Call, flat_args):
     if axis_type(mesh, axis_name) == AxisType.Explicit:  # shard_map wants them split
         flat_args = [arg if i in positions else jax.tree.map(
             lambda x: _split_rows(x, mesh, axis_name), arg) for i, arg in enumerate(flat_args)]
-    return jax.shard_map(local, mesh=mesh, in_specs=(None if call.key is None else P(), *in_specs),
-                         out_specs=out_specs, axis_names={axis_name})(call.key, *flat_args)
+    stage = jax.shard_map(local, mesh=mesh, in_specs=(None if call.key is None else P(), *in_specs),
+                          out_specs=out_specs, axis_names={axis_name})
+    return _compiled_when_eager(stage, call.key, *flat_args)
+
+
+def _compiled_when_eager(stage, *args):
+    """``stage(*args)``, compiled as one program when called outside a trace: eagerly, a
+    ``shard_map`` runs primitive by primitive, each compiled on its own (inside ``jit`` it is
+    part of the caller's program already)."""
+    if any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(args)):
+        return stage(*args)
+    return jax.jit(stage)(*args)
 
 
 def _need_step(codecs, key) -> None:
@@ -548,10 +558,10 @@ def _compressed_mean(call: _Call, grads, residual):
                                for spec, j in zip(in_specs, todo)) if residual_leaves else ()
         reduce = lambda key, *stacked: _reduce_rows(  # noqa: E731
             call, todo, todo_specs, key, stacked[:len(todo)], stacked[len(todo):])
-        mean, new_residual = jax.shard_map(
+        mean, new_residual = _compiled_when_eager(jax.shard_map(
             reduce, mesh=mesh, in_specs=(None if key is None else P(), *in_specs,
                                          *residual_specs),
-            out_specs=(tuple(todo_specs), residual_specs))(
+            out_specs=(tuple(todo_specs), residual_specs)),
             key, *(leaves[j] for j in todo), *residual_leaves)
         for j, value in zip(todo, mean):
             out[j] = value
