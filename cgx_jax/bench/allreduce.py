@@ -165,16 +165,20 @@ def _inputs(mesh, size: int, layout: str):
 
 def _methods(args, algorithms, mesh, size: int, layout: str) -> list:
     """``(name, algorithm, bits, body)`` of every method timed at this size and layout: the
-    two ``lax.psum`` baselines, then each algorithm at each bit width."""
+    two ``lax.psum`` baselines, then each algorithm at each bit width (``--fit-only``: the
+    f32 baseline, and the compressed methods on the flat layout only)."""
     import jax
     import jax.numpy as jnp
 
     import cgx_jax as cgx
 
-    methods = [("psum f32", "", 32, lambda v: jax.lax.psum(v, AXES)),
-               ("psum bf16", "", 16,
-                lambda t: jax.tree.map(lambda v: v.astype(jnp.float32), jax.lax.psum(
-                    jax.tree.map(lambda v: v.astype(jnp.bfloat16), t), AXES)))]
+    methods = [("psum f32", "", 32, lambda v: jax.lax.psum(v, AXES))]
+    if not args.fit_only:
+        methods.append(("psum bf16", "", 16,
+                        lambda t: jax.tree.map(lambda v: v.astype(jnp.float32), jax.lax.psum(
+                            jax.tree.map(lambda v: v.astype(jnp.bfloat16), t), AXES))))
+    if args.fit_only and layout != "flat":
+        return methods
     for algorithm in algorithms:
         for bits in args.bits:
             codec = cgx.Codec(bits=bits, bucket_size=args.bucket_size, rounding=args.rounding)
@@ -500,6 +504,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also measure PyTorch DDP (gloo) plain / fp16 hook / PowerSGD r4 in the "
                         "same network (auto: when torch is importable and there is one "
                         "device per process)")
+    # bench link's measurements: psum f32 on every layout, compressed on the flat one only,
+    # which is all its fit reads (the other rows cost the most to compile).
+    p.add_argument("--fit-only", action="store_true", help=argparse.SUPPRESS)
     add_report_arguments(p, "speedup vs link rate, one panel per size")
 
 
@@ -511,6 +518,8 @@ def _worker_arguments(args, out: str, coordinator: str | None, kind: str = "--wo
            "--algorithms", *args.algorithms, "--bucket-size", str(args.bucket_size),
            "--rounding", args.rounding, "--repeats", str(args.repeats),
            "--warmup", str(args.warmup)]
+    if args.fit_only:
+        cmd.append("--fit-only")
     if coordinator:
         cmd += ["--coordinator", coordinator]
     return cmd

@@ -1,15 +1,15 @@
 """Measures what decides whether compression pays on this system and writes it as a link
 profile for ``cgx.estimate``: ``python -m cgx_jax.bench link --processes 4 --link 1gbit``.
 
-It times, across the real processes, ``lax.psum`` of f32 gradients and ``compressed_psum``
-(default algorithm, 2, 4 and 8 bits, the default bucket of 1024) at a few sizes, as one
-array and as the 80 leaves of a ViT (the allreduce benchmark's worker, ``--repeats`` timed
-calls after warm-up, medians), and fits the two lines of ``cgx_jax._src.link_model``: the exact
-all-reduce's latency, seconds per byte and per extra leaf, the compressed one's latency,
-seconds per wire byte (the network) and seconds per value (the kernels on these CPUs,
-every process running them at once). The fit and its error per
-measurement are printed; the profile is written as JSON (``--out``, ``{link}`` replaced by
-the link rate), with the measurements in it.
+It times, across the real processes, ``lax.psum`` of f32 gradients (at a few sizes, as one
+array and as the 80 leaves of a ViT) and ``compressed_psum`` of one array (default
+algorithm, 2, 4 and 8 bits, the default bucket of 1024) at the same sizes (the allreduce
+benchmark's worker, ``--repeats`` timed calls after warm-up, medians), and fits the two
+lines of ``cgx_jax._src.link_model``: the exact all-reduce's latency, seconds per byte and
+per extra leaf, the compressed one's latency, seconds per wire byte (the network) and
+seconds per value (the kernels on these CPUs, every process running them at once). The
+fit and its error per measurement are printed; the profile is written as JSON (``--out``,
+``{link}`` replaced by the link rate), with the measurements in it.
 
 Two ways to run it:
 
@@ -52,7 +52,7 @@ def _allreduce_args(args, out: str | None = None) -> argparse.Namespace:
     add_worker_arguments(p)
     argv = ["--processes", str(args.processes), "--sizes", *map(str, args.sizes),
             "--bits", *map(str, BITS), "--algorithms", "auto", "--torch", "no",
-            "--layouts", "flat", "vit",
+            "--layouts", "flat", "vit", "--fit-only",
             "--bucket-size", str(BUCKET), "--repeats", str(args.repeats), "--warmup", "2",
             "--timeout", str(args.timeout), "--netns-prefix", args.netns_prefix,
             "--subnet", args.subnet]
