@@ -111,11 +111,11 @@ TRAIN = os.path.join(EXAMPLE_DIR, "train.py")
 RESTART_STEPS, CHECKPOINT_EVERY = 200, 50
 
 
-def _launch_training(checkpoints, max_restarts=0):
+def _launch_training(checkpoints):
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)  # the launcher sets each process's device count
     command = [sys.executable, "-m", "cgx_jax.launch", "-n", "2", "--devices-per-process", "2",
-               "--timeout", "300", "--max-restarts", str(max_restarts), "--",
+               "--timeout", "300", "--max-restarts", "1", "--",
                sys.executable, TRAIN, "--tiny", "--steps", str(RESTART_STEPS), "--mode", "cgx",
                "--error-feedback", "--quiet", "--checkpoint-every", str(CHECKPOINT_EVERY),
                "--checkpoint-dir", str(checkpoints)]
@@ -183,7 +183,7 @@ def test_a_killed_rank_restarts_and_resumes_bit_for_bit(tmp_path):
     (parameters, optimizer state with every device's residual and the noise key, the data's
     place and the loss history)."""
     checkpoints = tmp_path / "run"
-    launched = _launch_training(checkpoints, max_restarts=1)
+    launched = _launch_training(checkpoints)
     try:
         deadline = time.monotonic() + 240
         while 2 * CHECKPOINT_EVERY not in _finished_steps(checkpoints):

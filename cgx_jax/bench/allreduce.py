@@ -462,7 +462,7 @@ def write_reports(result: dict, args) -> None:
     title = (f"all-reduce, {result['processes']} processes x {result['devices_per_process']} "
              f"devices, median of {result['repeats']}; algbw = 2(N-1)/N * 4 B * size / time")
     promoted = any(r.get("wire_promoted_to_f32") for r in result["rows"])
-    common.write_reports(result, args, title, sys.modules[__name__],
+    common.write_reports(result, args, title, format_table, format_markdown, plot,
                          footnote=_PROMOTED_NOTE if promoted else "")
 
 

@@ -159,17 +159,18 @@ def run_links(name: str, links, run_link) -> tuple[int, list, list]:
     return code, rows, notes
 
 
-def write_reports(result: dict, args, title: str, report, footnote: str = "") -> None:
-    """Prints ``title``, the CPU, ``result["notes"]``, the table and ``footnote``; writes
-    ``--json`` (the whole result), ``--markdown`` and ``--plot`` where asked. ``report`` is
-    the benchmark's module, with its ``format_table(rows)``,
-    ``format_markdown(rows, title)`` and ``plot(rows, path, title)``."""
+def write_reports(result: dict, args, title: str, format_table, format_markdown, plot,
+                  footnote: str = "") -> None:
+    """Prints ``title``, the CPU, ``result["notes"]``, the table (``format_table(rows)``) and
+    ``footnote``; writes ``--json`` (the whole result), ``--markdown``
+    (``format_markdown(rows, title)``) and ``--plot`` (``plot(rows, path, title)``) where
+    asked."""
     rows = result["rows"]
     print(f"# {title}")
     print(f"# CPU: {cpu_description()}")
     for note in result["notes"]:
         print(f"# {note}")
-    print(report.format_table(rows))
+    print(format_table(rows))
     if footnote:
         print(f"# note: {footnote}")
     if args.json:
@@ -177,6 +178,6 @@ def write_reports(result: dict, args, title: str, report, footnote: str = "") ->
             json.dump(result, f, indent=2)
     if args.markdown:
         with open(args.markdown, "w") as f:
-            f.write(report.format_markdown(rows, f"`{result['command']}`: {title}"))
+            f.write(format_markdown(rows, f"`{result['command']}`: {title}"))
     if args.plot:
-        report.plot(rows, args.plot, result["command"])
+        plot(rows, args.plot, result["command"])

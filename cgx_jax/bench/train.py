@@ -555,7 +555,7 @@ def plot(rows: list[dict], path: str, title: str) -> None:
 def write_reports(result: dict, args) -> None:
     title = (f"training steps, {result['processes']} processes, batch {result['batch']} per "
              f"process, Adam, median of {result['repeats']} steps after {result['warmup']}")
-    common.write_reports(result, args, title, sys.modules[__name__])
+    common.write_reports(result, args, title, format_table, format_markdown, plot)
 
 
 # --------------------------------------------------------------------------- orchestrator
