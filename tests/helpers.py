@@ -80,12 +80,27 @@ jnp_quantize = jax.jit(pure_jax.quantize_rows, static_argnums=2)
 jnp_dequantize = jax.jit(pure_jax.dequantize_rows, static_argnums=(1, 2, 3))
 
 
+def reduce_outputs(backend, peers, own, own_index, seed, codec, n, *, emit_packet=True,
+                   emit_sum=False, offset=0, size=None, divisor=1):
+    """``(packet or None, sum or None)`` from the backend's reduce operation that gives them
+    (``reduce_requantize``, ``reduce_requantize_with_sum``, ``reduce_sum``; a packet with a
+    scaled or shortened sum from two calls)."""
+    if emit_packet and emit_sum and size is None and divisor == 1:
+        return backend.reduce_requantize_with_sum(peers, own, own_index, seed, codec, n,
+                                                  offset=offset)
+    packet = (backend.reduce_requantize(peers, own, own_index, seed, codec, n, offset=offset)
+              if emit_packet else None)
+    total = (backend.reduce_sum(peers, own, own_index, codec, n, offset=offset, size=size,
+                                divisor=divisor) if emit_sum else None)
+    return packet, total
+
+
 @functools.partial(jax.jit, static_argnames=("backend", "codec", "n", "emit_packet", "emit_sum"))
 def jit_reduce(peers, own, own_index, seed, *, backend, codec, n, emit_packet=True,
                emit_sum=False):
-    """backend.reduce_requantize (backend: the module ffi or pure_jax), jitted."""
-    return backend.reduce_requantize(peers, own, own_index, seed, codec, n,
-                                     emit_packet=emit_packet, emit_sum=emit_sum)
+    """``reduce_outputs`` (backend: the module ffi or pure_jax), jitted."""
+    return reduce_outputs(backend, peers, own, own_index, seed, codec, n,
+                          emit_packet=emit_packet, emit_sum=emit_sum)
 
 
 def quantize(x, seed, codec):

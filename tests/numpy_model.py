@@ -221,7 +221,7 @@ def dequantize_rows(packets: np.ndarray, bits: int, bucket_size: int, n: int) ->
     return out.reshape(rows, n)
 
 
-def lost_rows(x2d: np.ndarray, packets: np.ndarray, bits: int, bucket_size: int,
+def residual_rows(x2d: np.ndarray, packets: np.ndarray, bits: int, bucket_size: int,
               skip_row: int = -1) -> np.ndarray:
     """What quantizing x2d [rows, n] into ``packets`` residual: x - decoded in f32, 0 in row
     ``skip_row`` (not encoded)."""

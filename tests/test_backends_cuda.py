@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from helpers import reduce_outputs
 from jax.sharding import Mesh, PartitionSpec as P
 
 import cgx_jax as cgx
@@ -242,7 +243,8 @@ REDUCE_CASES = [  # (peers, bits, bucket_size, n); on the GPU 8..200: 8-lane tea
     (3, 1, 16384, 16384 * 2),
     (8, 6, 200, 200 * 8),
 ]
-EMITS = ((True, False), (False, True), (True, True))  # (packet, sum)
+# (packet, sum): cgx_reduce_requantize, cgx_reduce_sum, cgx_reduce_requantize_with_sum
+EMITS = ((True, False), (False, True), (True, True))
 
 
 @functools.cache
@@ -280,8 +282,8 @@ def test_reduce_requantize_matches_cpu(rounding, own_dtype):
         outs = []
         for (codec, _, n), (peers, own, own_index, seed) in zip(cases, inputs):
             for emit_packet, emit_sum in EMITS:
-                outs.append(ffi.reduce_requantize(peers, own, own_index, seed, codec, n,
-                                                      emit_packet=emit_packet, emit_sum=emit_sum))
+                outs.append(reduce_outputs(ffi, peers, own, own_index, seed, codec, n,
+                                           emit_packet=emit_packet, emit_sum=emit_sum))
         return outs
 
     gpu, cpu = run_on_both(program, inputs)
@@ -316,9 +318,10 @@ def test_packet_windows_match_cpu(offset_kind):
 
     def program(rows, own, seed):
         decoded = ffi.dequantize_rows(rows, codec, n, F32, offset=before)
-        packet, total = ffi.reduce_requantize(rows, own, np.int32(1), seed, codec, n,
-                                              emit_sum=True, offset=before)
-        return decoded, packet, total
+        packet, total = ffi.reduce_requantize_with_sum(rows, own, np.int32(1), seed, codec, n,
+                                                       offset=before)
+        alone = ffi.reduce_sum(rows, own, np.int32(1), codec, n, offset=before)
+        return decoded, packet, total, alone
 
     gpu, cpu = run_on_both(program, rows, own, seed)
     plain = run_on_both(lambda p: ffi.dequantize_rows(p, codec, n, F32), peers)[1]
@@ -352,8 +355,8 @@ def test_short_last_rows_match_cpu(dtype):
             packets = ffi.quantize_rows(x, seed, codec, skip_row=1, n=n)
             decoded = [ffi.dequantize_rows(packets, codec, n, x.dtype, size=size,
                                            divisor=divisor) for divisor in (1, 3)]
-            reduced = [ffi.reduce_requantize(peers, x, np.int32(i), seed, codec, n,
-                                             emit_sum=True, sum_size=size - 2 * n, divisor=d)
+            reduced = [reduce_outputs(ffi, peers, x, np.int32(i), seed, codec, n,
+                                      emit_sum=True, size=size - 2 * n, divisor=d)
                        for i, d in ((0, 1), (2, 7))]
             outs.append((packets, decoded, reduced))
         return outs

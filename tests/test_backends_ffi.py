@@ -36,6 +36,7 @@ from helpers import (
     on_cpu,
     quantize,
     realistic,
+    reduce_outputs,
     with_specials,
 )
 
@@ -154,7 +155,7 @@ def test_quantize_skip_row_zeroes_only_that_row(rows, n):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("rows,n,short", [(3, 64 * 5, 70), (4, 1 << 18, 1000)],
                          ids=["small", "threaded"])
-def test_quantize_with_lost_writes_x_minus_decoded(rows, n, short, dtype, rounding):
+def test_quantize_with_residual_writes_x_minus_decoded(rows, n, short, dtype, rounding):
     """``with_residual`` (error feedback's residual, written by the encoding kernel): the same
     packets as without it, and residual == x - decode(packets) bit for bit against the numpy
     model, with 0 in the skipped row, for a flat x whose last row is short (the missing
@@ -169,14 +170,15 @@ def test_quantize_with_lost_writes_x_minus_decoded(rows, n, short, dtype, roundi
     seed = rng.integers(0, 2**32, 2, dtype=np.uint32)
     for skip in (-1, 1):
         want = model.quantize_rows(padded, seed, 3, 64, codec.stochastic, skip)
-        want_lost = model.lost_rows(padded, want, 3, 64, skip).reshape(-1)[:flat_f.size]
+        want_residual = model.residual_rows(padded, want, 3, 64, skip).reshape(-1)[:flat_f.size]
         for name, backend in (("kernels", ffi), ("jnp", pure_jax)):
             encode = jax.jit(lambda x, s, b=backend, k=skip: b.quantize_rows(  # noqa: B023
                 x, s, codec, skip_row=k, n=n, with_residual=True))
             packets, residual = encode(on_cpu(flat_d), on_cpu(seed))
             assert residual.dtype == jnp.float32 and residual.shape == flat_d.shape
             assert_bytes_equal(np.asarray(packets), want, f"{name} packets skip_row={skip}")
-            assert_same_floats(np.asarray(residual), want_lost, f"{name} residual skip_row={skip}")
+            assert_same_floats(np.asarray(residual), want_residual,
+                               f"{name} residual skip_row={skip}")
 
 
 REDUCE_CASES = [  # (peers, bits, bucket_size, n)
@@ -263,7 +265,7 @@ def test_packet_windows_read_in_place_match_model(backend):
     assert_same_floats(decoded, model.dequantize_rows(second, 3, 64, n), "dequantize")
     own = realistic(rng, 1, n, 64)[0]
     seed = np.array([9, 10], np.uint32)
-    packet, total = jax.jit(functools.partial(backend.reduce_requantize, codec=codec, n=n,
+    packet, total = jax.jit(functools.partial(reduce_outputs, backend, codec=codec, n=n,
                                               emit_sum=True, offset=offset))(
         on_cpu(rows), on_cpu(own), np.int32(2), seed)
     want_packet, want_sum = model.reduce_requantize(second, own, 2, seed, 3, 64, True, n)
@@ -295,8 +297,8 @@ def test_short_last_row_reads_as_padding_and_writes_only_its_values(backend, dty
         want_decoded = model.dequantize_rows(want, 3, 64, n).astype(dtype).reshape(-1)[:size]
         assert decoded.shape == (size,)
         assert_same_floats(decoded, want_decoded, f"dequantize {what}")
-        reduce = jax.jit(functools.partial(backend.reduce_requantize, codec=codec, n=n,
-                                           emit_sum=True, sum_size=size - 3 * n))
+        reduce = jax.jit(functools.partial(reduce_outputs, backend, codec=codec, n=n,
+                                           emit_sum=True, size=size - 3 * n))
         for own_index in (0, rows - 1):  # a full row, and the short one
             packet, total = reduce(on_cpu(peers), on_cpu(x), np.int32(own_index), seed)
             want_packet, want_sum = model.reduce_requantize(peers, padded[own_index], own_index,
@@ -330,7 +332,7 @@ def test_divisor_divides_decoded_values_before_narrowing(backend, dtype):
             want = (decoded * scale).astype(dtype)
         assert_same_floats(got, want, f"dequantize / {divisor}")
         packet, total = jax.jit(functools.partial(
-            backend.reduce_requantize, codec=codec, n=n, emit_sum=True, divisor=divisor))(
+            reduce_outputs, backend, codec=codec, n=n, emit_sum=True, divisor=divisor))(
             on_cpu(packets), on_cpu(own), np.int32(1), seed)
         assert_bytes_equal(packet, want_packet, f"reduce packet, divisor {divisor}")
         assert_same_floats(total, want_sum * scale, f"reduce sum / {divisor}")
@@ -588,11 +590,15 @@ PEERS = np.zeros((3, P16), np.uint8)
 OWN = np.ones(16, np.float32)
 
 
-def _quantize_call(x=X16, seed=SEED, out=(1, P16), skip_row=np.int32(-1), n=16, residual=0,
-                   **attrs):
+def _quantize_call(x=X16, seed=SEED, out=(1, P16), skip_row=np.int32(-1), n=16,
+                   residual=None, **attrs):
+    """cgx_quantize, or with ``residual`` values cgx_quantize_with_residual."""
     attrs.setdefault("stochastic", False)
-    outs = (_sds(out, jnp.uint8), _sds((residual,), jnp.float32))
-    return _call("cgx_quantize", outs, x, seed, skip_row, n=np.int64(n), **attrs)[0]
+    packets = _sds(out, jnp.uint8)
+    if residual is None:
+        return _call("cgx_quantize", packets, x, seed, skip_row, n=np.int64(n), **attrs)
+    return _call("cgx_quantize_with_residual", (packets, _sds((residual,), jnp.float32)), x,
+                 seed, skip_row, n=np.int64(n), **attrs)[0]
 
 
 def _dequantize_call(packets=np.zeros((1, P16), np.uint8), out=(1, 16), dtype=jnp.float32,
@@ -602,11 +608,29 @@ def _dequantize_call(packets=np.zeros((1, P16), np.uint8), out=(1, 16), dtype=jn
 
 
 def _reduce_call(peers=PEERS, own=OWN, own_index=0, seed=SEED, n=16, packet=P16, total=16,
-                 offset=0, divisor=1, **attrs):
+                 offset=0, **attrs):
+    """cgx_reduce_requantize_with_sum: ``(packet, sum)``."""
     attrs.setdefault("stochastic", False)
     outs = (_sds((packet,), jnp.uint8), _sds((total,), jnp.float32))
-    return _call("cgx_reduce_requantize", outs, peers, own, np.array(own_index, np.int32), seed,
-                 n=np.int64(n), offset=np.int64(offset), divisor=np.int64(divisor), **attrs)
+    return _call("cgx_reduce_requantize_with_sum", outs, peers, own,
+                 np.array(own_index, np.int32), seed, n=np.int64(n), offset=np.int64(offset),
+                 **attrs)
+
+
+def _reduce_packet_call(peers=PEERS, own=OWN, own_index=0, seed=SEED, n=16, packet=P16,
+                        **attrs):
+    """cgx_reduce_requantize: the packet."""
+    attrs.setdefault("stochastic", False)
+    return _call("cgx_reduce_requantize", _sds((packet,), jnp.uint8), peers, own,
+                 np.array(own_index, np.int32), seed, n=np.int64(n), offset=np.int64(0),
+                 **attrs)
+
+
+def _reduce_sum_call(peers=PEERS, own=OWN, own_index=0, n=16, total=16, divisor=1, **attrs):
+    """cgx_reduce_sum: the sum."""
+    return _call("cgx_reduce_sum", _sds((total,), jnp.float32), peers, own,
+                 np.array(own_index, np.int32), n=np.int64(n), offset=np.int64(0),
+                 divisor=np.int64(divisor), **attrs)
 
 
 FFI_ERROR_CASES = {
@@ -633,7 +657,9 @@ FFI_ERROR_CASES = {
     "quantize packets rank 3": (lambda: _quantize_call(out=(1, 1, P16)), "rank"),
     "quantize int32 x": (lambda: _quantize_call(x=np.ones((1, 16), np.int32)), "x must be"),
     "quantize residual of 15": (lambda: _quantize_call(residual=15),
-                            r"residual must hold as many values as x \(16\) or none, got 15"),
+                                r"residual must hold as many values as x \(16\), got 15"),
+    "quantize residual of 0": (lambda: _quantize_call(residual=0),
+                               r"residual must hold as many values as x \(16\), got 0"),
     "dequantize packets length": (lambda: _dequantize_call(np.zeros((1, P16 - 1), np.uint8)),
                                   f"packets rows of {P16 - 1} bytes cannot hold a packet of "
                                   f"{P16} bytes at offset 0"),
@@ -655,7 +681,16 @@ FFI_ERROR_CASES = {
     "dequantize divisor=2^24+1": (lambda: _dequantize_call(divisor=2**24 + 1),
                                   "divisor must be in .*got 16777217"),
     "reduce bits=9": (lambda: _reduce_call(bits=9), "bits must be"),
-    "reduce divisor=-3": (lambda: _reduce_call(divisor=-3), "divisor must be in .*got -3"),
+    "reduce_sum divisor=-3": (lambda: _reduce_sum_call(divisor=-3),
+                              "divisor must be in .*got -3"),
+    "reduce_sum bits=9": (lambda: _reduce_sum_call(bits=9), "bits must be"),
+    "reduce_sum sum length": (lambda: _reduce_sum_call(total=17),
+                              "sum must hold 1 rows of 16 values"),
+    "reduce_sum own_index = N": (lambda: _reduce_sum_call(own_index=3), "own_index"),
+    "reduce_requantize packet length": (lambda: _reduce_packet_call(packet=P16 + 1),
+                                        "packet must hold"),
+    "reduce_requantize seed of 1": (lambda: _reduce_packet_call(seed=np.zeros(1, np.uint32)),
+                                    "seed must hold 2"),
     "reduce bucket_size=12": (lambda: _reduce_call(bucket_size=12), "bucket_size must be"),
     "reduce n not multiple": (lambda: _reduce_call(n=12), "n length 12 .*bucket_size"),
     "reduce peers row": (lambda: _reduce_call(peers=np.zeros((3, P16 - 8), np.uint8)),
@@ -671,6 +706,7 @@ FFI_ERROR_CASES = {
     "reduce own_index < 0": (lambda: _reduce_call(own_index=-1), "own_index"),
     "reduce packet length": (lambda: _reduce_call(packet=P16 - 1), "packet must hold"),
     "reduce sum length": (lambda: _reduce_call(total=17), "sum must hold 1 rows of 16 values"),
+    "reduce empty sum": (lambda: _reduce_call(total=0), "sum must hold 1 rows of 16 values"),
     "reduce own short of its rows": (lambda: _reduce_call(own=np.ones(33, np.float32)[:32]),
                                      r"all 3 rows \(33 to 48, the last row possibly short\)"),
 }
@@ -687,17 +723,18 @@ def test_ffi_handlers_accept_the_consistent_calls():
     """The baselines of the error cases above are valid, so each error comes from its change."""
     assert np.asarray(_quantize_call()).shape == (1, P16)
     assert np.asarray(_quantize_call(residual=16)).shape == (1, P16)
+    assert np.asarray(_reduce_packet_call(own_index=2)).shape == (P16,)
     assert np.asarray(_dequantize_call()).shape == (1, 16)
     packet, total = _reduce_call(own_index=2)
     np.testing.assert_array_equal(np.asarray(total), OWN)  # zero packets decode to 0
     assert np.asarray(packet).shape == (P16,)
-    packet, total = _reduce_call(own=np.zeros(0, np.float32), own_index=7, packet=0)
-    assert np.asarray(packet).shape == (0,) and np.asarray(total).shape == (16,)
+    total = _reduce_sum_call(own=np.zeros(0, np.float32), own_index=7)  # no own: any index
+    np.testing.assert_array_equal(np.asarray(total), np.zeros(16, np.float32))
     # Short last rows: x, the output, own (all rows) and the sum.
     assert np.asarray(_quantize_call(x=np.ones(17, np.float32), out=(2, P16))).shape == (2, P16)
     assert np.asarray(_dequantize_call(np.zeros((2, P16), np.uint8), out=(17,))).shape == (17,)
     packet, total = _reduce_call(own=np.ones(33, np.float32), own_index=2, total=5)
     np.testing.assert_array_equal(np.asarray(total), np.ones(5, np.float32))
     # The largest divisor.
-    _, total = _reduce_call(own_index=2, divisor=2**24)
+    total = _reduce_sum_call(own_index=2, divisor=2**24)
     np.testing.assert_array_equal(np.asarray(total), OWN * np.float32(2.0**-24))

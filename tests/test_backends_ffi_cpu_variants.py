@@ -38,8 +38,8 @@ SCRIPT = textwrap.dedent("""
                 skipped, residual = ffi.quantize_rows(jnp.asarray(xd), seed, codec, skip_row=2,
                                                   with_residual=True)
                 decoded = ffi.dequantize_rows(packets, codec, x.shape[1], dtype)
-                packet, total = ffi.reduce_requantize(packets, jnp.asarray(x[1], dtype), 1, seed,
-                                                      codec, x.shape[1], emit_sum=True)
+                packet, total = ffi.reduce_requantize_with_sum(
+                    packets, jnp.asarray(x[1], dtype), 1, seed, codec, x.shape[1])
                 for a in (packets, decoded, packet, total, residual):
                     digest.update(np.asarray(a).tobytes())
                 want = model.quantize_rows(xf, np.asarray(seed), bits, 64, codec.stochastic)
@@ -50,7 +50,7 @@ SCRIPT = textwrap.dedent("""
                     assert_bytes_equal(packets, want, "quantize " + what)
                     want_skipped = want.copy(); want_skipped[2] = 0
                     assert_bytes_equal(skipped, want_skipped, "quantize skip_row=2 " + what)
-                    assert_same_floats(residual, model.lost_rows(xf, want, bits, 64, 2),
+                    assert_same_floats(residual, model.residual_rows(xf, want, bits, 64, 2),
                                        "residual " + what)
                     assert_same_floats(decoded, model_decoded(want, codec, x.shape[1], dtype),
                                        "dequantize " + what)

@@ -197,5 +197,6 @@ def test_both_backends_have_the_same_signatures():
         return [(p.name, p.kind, p.default)
                 for p in inspect.signature(function).parameters.values()]
 
-    for name in ("quantize_rows", "dequantize_rows", "reduce_requantize"):
+    for name in ("quantize_rows", "dequantize_rows", "reduce_requantize",
+                 "reduce_requantize_with_sum", "reduce_sum"):
         assert parameters(getattr(ffi, name)) == parameters(getattr(pure_jax, name)), name

@@ -8,17 +8,20 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/pair.h>
 
+#include <initializer_list>
 #include <utility>
 
 #include "xla/ffi/api/c_api.h"
 
 namespace cgx {
 
-inline nanobind::dict registrations(void* quantize, void* dequantize, void* reduce_requantize) {
+// Each (target name, handler) pair: one target per operation, every output it declares
+// written (validate.h).
+inline nanobind::dict registrations(
+    std::initializer_list<std::pair<const char*, XLA_FFI_Handler*>> handlers) {
   nanobind::dict targets;
-  targets["cgx_quantize"] = nanobind::capsule(quantize);
-  targets["cgx_dequantize"] = nanobind::capsule(dequantize);
-  targets["cgx_reduce_requantize"] = nanobind::capsule(reduce_requantize);
+  for (const auto& [name, handler] : handlers)
+    targets[name] = nanobind::capsule(reinterpret_cast<void*>(handler));
   return targets;
 }
 

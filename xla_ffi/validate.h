@@ -5,7 +5,9 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
+#include <utility>
 
 #include "codec.h"
 #include "xla/ffi/api/ffi.h"
@@ -59,16 +61,6 @@ inline xla::ffi::Error check_count(int64_t actual, int64_t expected, const char*
   return xla::ffi::Error::Success();
 }
 
-// For optional buffers: either the full size or empty (not wanted / not given).
-inline xla::ffi::Error check_count_or_empty(int64_t actual, int64_t expected, const char* name) {
-  if (actual != expected && actual != 0)
-    return xla::ffi::Error::InvalidArgument(std::string(name) + " must hold " +
-                                            std::to_string(expected) +
-                                            " elements (or 0 to skip it), got " +
-                                            std::to_string(actual));
-  return xla::ffi::Error::Success();
-}
-
 inline xla::ffi::Error unsupported_dtype(const char* name) {
   return xla::ffi::Error::InvalidArgument(std::string(name) +
                                           " must be float32, bfloat16 or float16");
@@ -93,12 +85,14 @@ inline xla::ffi::Error check_rows_of(int64_t count, int64_t rows, int64_t n, con
 }
 
 // quantize: x [rows, n] (n a multiple of bucket_size; x's shape does not matter, its last
-// row may be short), seed [2], skip_row [1], packets [rows, P].
+// row may be short), seed [2], skip_row [1], packets [rows, P], and for
+// cgx_quantize_with_residual the residual, as many values as x (none for cgx_quantize).
 inline xla::ffi::Error check_quantize_args(int64_t bits, int64_t bucket_size, int64_t n,
                                            int64_t x_count, int64_t seed_count,
                                            int64_t skip_row_count,
                                            xla::ffi::Span<const int64_t> packets_dims,
-                                           int64_t lost_count, int64_t* rows) {
+                                           std::optional<int64_t> residual_count,
+                                           int64_t* rows) {
   if (auto e = check_codec(bits, bucket_size); e.failure()) return e;
   if (auto e = check_multiple(n, bucket_size, "n"); e.failure()) return e;
   int64_t pbytes = 0;
@@ -110,10 +104,10 @@ inline xla::ffi::Error check_quantize_args(int64_t bits, int64_t bucket_size, in
                                             " values), got " + std::to_string(pbytes));
   if (auto e = check_rows_of(x_count, *rows, n, "x"); e.failure()) return e;
   if (auto e = check_count(seed_count, 2, "seed"); e.failure()) return e;
-  if (lost_count != 0 && lost_count != x_count)
+  if (residual_count && *residual_count != x_count)
     return xla::ffi::Error::InvalidArgument("residual must hold as many values as x (" +
-                                            std::to_string(x_count) + ") or none, got " +
-                                            std::to_string(lost_count));
+                                            std::to_string(x_count) + "), got " +
+                                            std::to_string(*residual_count));
   return check_count(skip_row_count, 1, "skip_row");
 }
 
@@ -164,15 +158,27 @@ inline xla::ffi::Error check_dequantize_args(int64_t bits, int64_t bucket_size, 
   return check_rows_of(out_count, *rows, n, "output");
 }
 
-// reduce_requantize: the peers' packets [N, P(n)] at byte `offset` of peers [N, W], seed
-// [2], own_index [1], the optional own ([n], or all N rows [N, n], the last possibly short,
-// of which row own_index is read, or empty), packet [P(n)] (or empty) and sum ([n], possibly
-// short, or empty).
-inline xla::ffi::Error check_reduce_requantize_args(
-    int64_t bits, int64_t bucket_size, int64_t n, int64_t offset, int64_t divisor,
-    xla::ffi::Span<const int64_t> peers_dims, int64_t seed_count, int64_t own_index_count,
-    int64_t own_count, int64_t packet_count, int64_t sum_count, int64_t* num_peers,
-    int64_t* row_bytes) {
+// What one of the three reduce targets writes: cgx_reduce_requantize the packet,
+// cgx_reduce_sum the sum, cgx_reduce_requantize_with_sum both. A null pointer: the target
+// has no such output (nothing else switches an output off).
+struct ReduceOutputs {
+  uint8_t* packet = nullptr;  // [P(n)]: the sum re-encoded
+  int64_t packet_count = 0;
+  float* sum = nullptr;       // [n] or its first values: the sum, times f32(1 / divisor)
+  int64_t sum_count = 0;
+};
+
+// The reduce targets: the peers' packets [N, P(n)] at byte `offset` of peers [N, W],
+// own_index [1], the optional own ([n], or all N rows [N, n], the last possibly short, of
+// which row own_index is read, or empty), seed [2] where the target encodes a packet, and
+// the outputs.
+inline xla::ffi::Error check_reduce_args(int64_t bits, int64_t bucket_size, int64_t n,
+                                         int64_t offset, int64_t divisor,
+                                         xla::ffi::Span<const int64_t> peers_dims,
+                                         std::optional<int64_t> seed_count,
+                                         int64_t own_index_count, int64_t own_count,
+                                         const ReduceOutputs& out, int64_t* num_peers,
+                                         int64_t* row_bytes) {
   if (auto e = check_codec(bits, bucket_size); e.failure()) return e;
   if (auto e = check_divisor(divisor); e.failure()) return e;
   if (auto e = check_multiple(n, bucket_size, "n"); e.failure()) return e;
@@ -180,7 +186,8 @@ inline xla::ffi::Error check_reduce_requantize_args(
   if (auto e = check_packet_window(peers_dims, "peers", pbytes, offset, num_peers, row_bytes);
       e.failure())
     return e;
-  if (auto e = check_count(seed_count, 2, "seed"); e.failure()) return e;
+  if (seed_count)
+    if (auto e = check_count(*seed_count, 2, "seed"); e.failure()) return e;
   if (auto e = check_count(own_index_count, 1, "own_index"); e.failure()) return e;
   const int64_t all_least = (*num_peers - 1) * n + 1, all_full = *num_peers * n;
   if (own_count != 0 && own_count != n && (own_count < all_least || own_count > all_full))
@@ -189,30 +196,49 @@ inline xla::ffi::Error check_reduce_requantize_args(
         std::to_string(*num_peers) + " rows (" + std::to_string(all_least) + " to " +
         std::to_string(all_full) + ", the last row possibly short), or 0 to skip it, got " +
         std::to_string(own_count));
-  if (auto e = check_count_or_empty(packet_count, pbytes, "packet"); e.failure()) return e;
-  if (sum_count == 0) return xla::ffi::Error::Success();
-  return check_rows_of(sum_count, 1, n, "sum");
+  if (out.packet != nullptr)
+    if (auto e = check_count(out.packet_count, pbytes, "packet"); e.failure()) return e;
+  if (out.sum == nullptr) return xla::ffi::Error::Success();
+  return check_rows_of(out.sum_count, 1, n, "sum");
 }
 
 // ---------------------------------------------------------------------------
 // The binding of each FFI target: operands and attribute names, defined once so the CPU
 // and CUDA handlers cannot disagree. `Context` is the platform's context (ThreadPool on
-// CPU, PlatformStream<cudaStream_t> on CUDA).
+// CPU, PlatformStream<cudaStream_t> on CUDA). Every output of a target is written: a
+// variant that writes more is another target, not a zero-length output.
 // ---------------------------------------------------------------------------
 
 template <typename Context>
-auto quantize_binding() {
+auto quantize_operands() {
   return xla::ffi::Ffi::Bind()
       .Ctx<Context>()
       .template Arg<xla::ffi::AnyBuffer>()                    // x [rows, n], last row may be short
       .template Arg<xla::ffi::Buffer<xla::ffi::U32>>()        // seed [2]
       .template Arg<xla::ffi::Buffer<xla::ffi::S32>>()        // skip_row []
-      .template Ret<xla::ffi::Buffer<xla::ffi::U8>>()         // packets [rows, P]
-      .template Ret<xla::ffi::Buffer<xla::ffi::F32>>()        // residual: like x, or [0]
+      .template Ret<xla::ffi::Buffer<xla::ffi::U8>>();        // packets [rows, P]
+}
+
+template <typename Binding>
+auto with_quantize_attrs(Binding binding) {
+  return std::move(binding)
       .template Attr<int64_t>("bits")
       .template Attr<int64_t>("bucket_size")
       .template Attr<bool>("stochastic")
       .template Attr<int64_t>("n");
+}
+
+// cgx_quantize: x -> packets.
+template <typename Context>
+auto quantize_binding() {
+  return with_quantize_attrs(quantize_operands<Context>());
+}
+
+// cgx_quantize_with_residual: x -> packets, and the residual x - decode(packets) (f32, like x).
+template <typename Context>
+auto quantize_with_residual_binding() {
+  return with_quantize_attrs(
+      quantize_operands<Context>().template Ret<xla::ffi::Buffer<xla::ffi::F32>>());
 }
 
 template <typename Context>
@@ -229,21 +255,52 @@ auto dequantize_binding() {
 }
 
 template <typename Context>
-auto reduce_requantize_binding() {
+auto reduce_operands() {
   return xla::ffi::Ffi::Bind()
       .Ctx<Context>()
       .template Arg<xla::ffi::Buffer<xla::ffi::U8>>()         // peers [N, W >= offset + P]
       .template Arg<xla::ffi::AnyBuffer>()                    // own [n], [N, n] (short) or [0]
-      .template Arg<xla::ffi::Buffer<xla::ffi::S32>>()        // own_index []
-      .template Arg<xla::ffi::Buffer<xla::ffi::U32>>()        // seed [2]
-      .template Ret<xla::ffi::Buffer<xla::ffi::U8>>()         // packet [P] or [0]
-      .template Ret<xla::ffi::Buffer<xla::ffi::F32>>()        // sum [n] (short) or [0]
+      .template Arg<xla::ffi::Buffer<xla::ffi::S32>>();       // own_index []
+}
+
+template <typename Binding>
+auto with_requantize_attrs(Binding binding) {
+  return std::move(binding)
       .template Attr<int64_t>("bits")
       .template Attr<int64_t>("bucket_size")
       .template Attr<bool>("stochastic")
       .template Attr<int64_t>("n")
+      .template Attr<int64_t>("offset");
+}
+
+// cgx_reduce_requantize: the peers' chunks (+ own) -> their f32 sum, re-encoded as one packet.
+template <typename Context>
+auto reduce_requantize_binding() {
+  return with_requantize_attrs(reduce_operands<Context>()
+                                   .template Arg<xla::ffi::Buffer<xla::ffi::U32>>()  // seed [2]
+                                   .template Ret<xla::ffi::Buffer<xla::ffi::U8>>());  // packet [P]
+}
+
+// cgx_reduce_requantize_with_sum: the packet and the f32 sum it encodes (error feedback's
+// residual in the ring is sum - decode(packet)).
+template <typename Context>
+auto reduce_requantize_with_sum_binding() {
+  return with_requantize_attrs(reduce_operands<Context>()
+                                   .template Arg<xla::ffi::Buffer<xla::ffi::U32>>()  // seed [2]
+                                   .template Ret<xla::ffi::Buffer<xla::ffi::U8>>()   // packet [P]
+                                   .template Ret<xla::ffi::Buffer<xla::ffi::F32>>());  // sum [n]
+}
+
+// cgx_reduce_sum: the peers' chunks (+ own) -> their f32 sum (its first values), no packet.
+template <typename Context>
+auto reduce_sum_binding() {
+  return reduce_operands<Context>()
+      .template Ret<xla::ffi::Buffer<xla::ffi::F32>>()        // sum [n], or its first values
+      .template Attr<int64_t>("bits")
+      .template Attr<int64_t>("bucket_size")
+      .template Attr<int64_t>("n")
       .template Attr<int64_t>("offset")
-      .template Attr<int64_t>("divisor");  // sum *= f32(1 / divisor); the packet encodes the sum
+      .template Attr<int64_t>("divisor");  // sum *= f32(1 / divisor)
 }
 
 }  // namespace cgx

@@ -64,8 +64,7 @@ def kernel_rows(sizes, bits_list, peers: int, repeats: int, device,
             peer_packets = jax.device_put(jnp.tile(packets[:, : packet_bytes(chunk, codec)],
                                                    (peers, 1)), device)
             own = x[0, :chunk]
-            reduce = jax.jit(lambda p, o: ffi.reduce_requantize(
-                p, o, 0, seed, codec, chunk)[0])
+            reduce = jax.jit(lambda p, o: ffi.reduce_requantize(p, o, 0, seed, codec, chunk))
             for name, fn in (
                 ("quantize", lambda: quantize(x)),
                 ("dequantize", lambda: dequantize(packets)),

@@ -171,27 +171,42 @@ bool element_type_of(ffi::DataType dtype, ElementType* type) {
 // ---------------------------------------------------------------------------
 
 // quantize: x [rows, n] (the last row may be short) -> packets [rows, P]; row skip_row (if
-// in [0, rows)) -> zero bytes; residual (as many values as x, or none) -> x - decode(packets)
-ffi::Error Quantize(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> seed,
-                    ffi::Buffer<ffi::S32> skip_row, ffi::ResultBuffer<ffi::U8> packets,
-                    ffi::ResultBuffer<ffi::F32> residual, int64_t bits, int64_t bucket_size,
-                    bool stochastic, int64_t n) {
+// in [0, rows)) -> zero bytes; with a residual (as many values as x) -> x - decode(packets).
+ffi::Error QuantizeInto(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> seed,
+                        ffi::Buffer<ffi::S32> skip_row, ffi::ResultBuffer<ffi::U8> packets,
+                        float* residual, std::optional<int64_t> residual_count, int64_t bits,
+                        int64_t bucket_size, bool stochastic, int64_t n) {
   int64_t rows = 0;
   if (auto e = check_quantize_args(bits, bucket_size, n, x.element_count(),
                                    seed.element_count(), skip_row.element_count(),
-                                   packets->dimensions(), residual->element_count(), &rows);
+                                   packets->dimensions(), residual_count, &rows);
       e.failure())
     return e;
   QuantizeJob job{ElementType::kF32, x.untyped_data(), x.element_count(), n,
                   CodecParams{static_cast<int>(bits), bucket_size, stochastic,
                               seed.typed_data()[0], seed.typed_data()[1]},
-                  skip_row.typed_data()[0], packets->typed_data(),
-                  residual->element_count() ? residual->typed_data() : nullptr};
+                  skip_row.typed_data()[0], packets->typed_data(), residual};
   if (!element_type_of(x.element_type(), &job.type)) return unsupported_dtype("x");
   if (rows * n == 0) return ffi::Error::Success();
   parallel_for(pool, rows * (n / bucket_size), bucket_size,
                [&](int64_t begin, int64_t end) { loops().quantize(job, begin, end); });
   return ffi::Error::Success();
+}
+
+ffi::Error Quantize(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> seed,
+                    ffi::Buffer<ffi::S32> skip_row, ffi::ResultBuffer<ffi::U8> packets,
+                    int64_t bits, int64_t bucket_size, bool stochastic, int64_t n) {
+  return QuantizeInto(pool, x, seed, skip_row, packets, nullptr, std::nullopt, bits,
+                      bucket_size, stochastic, n);
+}
+
+ffi::Error QuantizeWithResidual(ffi::ThreadPool pool, ffi::AnyBuffer x,
+                                ffi::Buffer<ffi::U32> seed, ffi::Buffer<ffi::S32> skip_row,
+                                ffi::ResultBuffer<ffi::U8> packets,
+                                ffi::ResultBuffer<ffi::F32> residual, int64_t bits,
+                                int64_t bucket_size, bool stochastic, int64_t n) {
+  return QuantizeInto(pool, x, seed, skip_row, packets, residual->typed_data(),
+                      residual->element_count(), bits, bucket_size, stochastic, n);
 }
 
 // dequantize: the packets [rows, P] at byte `offset` of each row of packets -> x' [rows, n]
@@ -214,28 +229,27 @@ ffi::Error Dequantize(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> packets,
   return ffi::Error::Success();
 }
 
-// reduce_requantize: N peers' packets of one chunk (at byte `offset` of each row of peers,
-// + this participant's raw chunk) -> f32 sum in peer order 0..N-1, re-encoded once.
-ffi::Error ReduceRequantize(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> peers, ffi::AnyBuffer own,
-                            ffi::Buffer<ffi::S32> own_index, ffi::Buffer<ffi::U32> seed,
-                            ffi::ResultBuffer<ffi::U8> packet, ffi::ResultBuffer<ffi::F32> sum,
-                            int64_t bits, int64_t bucket_size, bool stochastic, int64_t n,
-                            int64_t offset, int64_t divisor) {
+// The three reduce targets: N peers' packets of one chunk (at byte `offset` of each row of
+// peers, + this participant's raw chunk) -> f32 sum in peer order 0..N-1, written as `out`
+// says (re-encoded once, and/or the sum itself). `seed` is null for the sum alone.
+ffi::Error ReduceInto(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> peers, ffi::AnyBuffer own,
+                      ffi::Buffer<ffi::S32> own_index, const ffi::Buffer<ffi::U32>* seed,
+                      const ReduceOutputs& out, int64_t bits, int64_t bucket_size,
+                      bool stochastic, int64_t n, int64_t offset, int64_t divisor) {
   int64_t num_peers = 0, row_bytes = 0;
-  if (auto e = check_reduce_requantize_args(
-          bits, bucket_size, n, offset, divisor, peers.dimensions(), seed.element_count(),
-          own_index.element_count(), own.element_count(), packet->element_count(),
-          sum->element_count(), &num_peers, &row_bytes);
+  const std::optional<int64_t> seed_count =
+      seed ? std::optional<int64_t>(seed->element_count()) : std::nullopt;
+  if (auto e = check_reduce_args(bits, bucket_size, n, offset, divisor, peers.dimensions(),
+                                 seed_count, own_index.element_count(), own.element_count(),
+                                 out, &num_peers, &row_bytes);
       e.failure())
     return e;
   ReduceJob job{ElementType::kF32, peers.typed_data() + offset, row_bytes, num_peers, n,
                 own.element_count() ? own.untyped_data() : nullptr, own.element_count(),
                 own_index.typed_data()[0],
                 CodecParams{static_cast<int>(bits), bucket_size, stochastic,
-                            seed.typed_data()[0], seed.typed_data()[1]},
-                packet->element_count() ? packet->typed_data() : nullptr,
-                sum->element_count() ? sum->typed_data() : nullptr, sum->element_count(),
-                reciprocal_of(divisor)};
+                            seed ? seed->typed_data()[0] : 0u, seed ? seed->typed_data()[1] : 0u},
+                out.packet, out.sum, out.sum_count, reciprocal_of(divisor)};
   if (!element_type_of(own.element_type(), &job.own_type)) return unsupported_dtype("own");
   // The raw chunk replaces the own_index-th peer, which must then name a real peer.
   if (job.own != nullptr && (job.own_index < 0 || job.own_index >= num_peers)) {
@@ -250,29 +264,68 @@ ffi::Error ReduceRequantize(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> peers, ff
     job.own = static_cast<const char*>(job.own) + job.own_index * n * element_bytes;
     job.own_count -= job.own_index * n;
   }
-  if (n == 0 || (job.packet_out == nullptr && job.sum_out == nullptr))
-    return ffi::Error::Success();
+  if (n == 0) return ffi::Error::Success();
   parallel_for(pool, n / bucket_size, bucket_size * num_peers,
                [&](int64_t begin, int64_t end) { loops().reduce_requantize(job, begin, end); });
   return ffi::Error::Success();
 }
 
+ffi::Error ReduceRequantize(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> peers, ffi::AnyBuffer own,
+                            ffi::Buffer<ffi::S32> own_index, ffi::Buffer<ffi::U32> seed,
+                            ffi::ResultBuffer<ffi::U8> packet, int64_t bits,
+                            int64_t bucket_size, bool stochastic, int64_t n, int64_t offset) {
+  const ReduceOutputs out{packet->typed_data(), packet->element_count()};
+  return ReduceInto(pool, peers, own, own_index, &seed, out, bits, bucket_size, stochastic, n,
+                    offset, 1);
+}
+
+ffi::Error ReduceRequantizeWithSum(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> peers,
+                                   ffi::AnyBuffer own, ffi::Buffer<ffi::S32> own_index,
+                                   ffi::Buffer<ffi::U32> seed, ffi::ResultBuffer<ffi::U8> packet,
+                                   ffi::ResultBuffer<ffi::F32> sum, int64_t bits,
+                                   int64_t bucket_size, bool stochastic, int64_t n,
+                                   int64_t offset) {
+  const ReduceOutputs out{packet->typed_data(), packet->element_count(), sum->typed_data(),
+                          sum->element_count()};
+  return ReduceInto(pool, peers, own, own_index, &seed, out, bits, bucket_size, stochastic, n,
+                    offset, 1);
+}
+
+ffi::Error ReduceSum(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> peers, ffi::AnyBuffer own,
+                     ffi::Buffer<ffi::S32> own_index, ffi::ResultBuffer<ffi::F32> sum,
+                     int64_t bits, int64_t bucket_size, int64_t n, int64_t offset,
+                     int64_t divisor) {
+  const ReduceOutputs out{nullptr, 0, sum->typed_data(), sum->element_count()};
+  return ReduceInto(pool, peers, own, own_index, nullptr, out, bits, bucket_size, false, n,
+                    offset, divisor);
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(cgx_quantize_cpu, Quantize, quantize_binding<ffi::ThreadPool>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(cgx_quantize_with_residual_cpu, QuantizeWithResidual,
+                              quantize_with_residual_binding<ffi::ThreadPool>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(cgx_dequantize_cpu, Dequantize,
                               dequantize_binding<ffi::ThreadPool>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(cgx_reduce_requantize_cpu, ReduceRequantize,
                               reduce_requantize_binding<ffi::ThreadPool>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(cgx_reduce_requantize_with_sum_cpu, ReduceRequantizeWithSum,
+                              reduce_requantize_with_sum_binding<ffi::ThreadPool>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(cgx_reduce_sum_cpu, ReduceSum, reduce_sum_binding<ffi::ThreadPool>());
 
 }  // namespace cgx
 
 NB_MODULE(_cgx_cpu, m) {
   cgx::define_common(m);
   m.def("registrations", []() {
-    return cgx::registrations(reinterpret_cast<void*>(cgx::cgx_quantize_cpu),
-                              reinterpret_cast<void*>(cgx::cgx_dequantize_cpu),
-                              reinterpret_cast<void*>(cgx::cgx_reduce_requantize_cpu));
+    return cgx::registrations({
+        {"cgx_quantize", cgx::cgx_quantize_cpu},
+        {"cgx_quantize_with_residual", cgx::cgx_quantize_with_residual_cpu},
+        {"cgx_dequantize", cgx::cgx_dequantize_cpu},
+        {"cgx_reduce_requantize", cgx::cgx_reduce_requantize_cpu},
+        {"cgx_reduce_requantize_with_sum", cgx::cgx_reduce_requantize_with_sum_cpu},
+        {"cgx_reduce_sum", cgx::cgx_reduce_sum_cpu},
+    });
   });
   m.def("cpu_isa", []() { return std::string(cgx::loops().isa); },
         "The instruction-set variant of the bucket loops this process uses.");

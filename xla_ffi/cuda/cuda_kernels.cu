@@ -663,14 +663,15 @@ ffi::Error launch_status(const char* kernel) {
 // Handlers (validation identical to the CPU handlers)
 // ---------------------------------------------------------------------------
 
-ffi::Error Quantize(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> seed,
-                    ffi::Buffer<ffi::S32> skip_row, ffi::ResultBuffer<ffi::U8> packets,
-                    ffi::ResultBuffer<ffi::F32> residual, int64_t bits, int64_t bucket_size,
-                    bool stochastic, int64_t n) {
+// Both quantize targets; residual is null for cgx_quantize.
+ffi::Error QuantizeInto(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> seed,
+                        ffi::Buffer<ffi::S32> skip_row, ffi::ResultBuffer<ffi::U8> packets,
+                        float* residual, std::optional<int64_t> residual_count, int64_t bits,
+                        int64_t bucket_size, bool stochastic, int64_t n) {
   int64_t rows = 0;
   if (auto e = check_quantize_args(bits, bucket_size, n, x.element_count(),
                                    seed.element_count(), skip_row.element_count(),
-                                   packets->dimensions(), residual->element_count(), &rows);
+                                   packets->dimensions(), residual_count, &rows);
       e.failure())
     return e;
   if (rows * n == 0) return ffi::Error::Success();
@@ -686,12 +687,27 @@ ffi::Error Quantize(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::U32>
           static_cast<const typename Tag::storage*>(data), x.element_count(), rows, n,
           static_cast<int>(bits),
           bucket_size, stochastic, seed.typed_data(), skip_row.typed_data(),
-          packets->typed_data(), residual->element_count() ? residual->typed_data() : nullptr,
-          aligned_to(data, 16), aligned_to(residual->untyped_data(), 16));
+          packets->typed_data(), residual, aligned_to(data, 16), aligned_to(residual, 16));
     });
   });
   if (!supported) return unsupported_dtype("x");
   return launch_status("quantize");
+}
+
+ffi::Error Quantize(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> seed,
+                    ffi::Buffer<ffi::S32> skip_row, ffi::ResultBuffer<ffi::U8> packets,
+                    int64_t bits, int64_t bucket_size, bool stochastic, int64_t n) {
+  return QuantizeInto(stream, x, seed, skip_row, packets, nullptr, std::nullopt, bits,
+                      bucket_size, stochastic, n);
+}
+
+ffi::Error QuantizeWithResidual(cudaStream_t stream, ffi::AnyBuffer x,
+                                ffi::Buffer<ffi::U32> seed, ffi::Buffer<ffi::S32> skip_row,
+                                ffi::ResultBuffer<ffi::U8> packets,
+                                ffi::ResultBuffer<ffi::F32> residual, int64_t bits,
+                                int64_t bucket_size, bool stochastic, int64_t n) {
+  return QuantizeInto(stream, x, seed, skip_row, packets, residual->typed_data(),
+                      residual->element_count(), bits, bucket_size, stochastic, n);
 }
 
 ffi::Error Dequantize(cudaStream_t stream, ffi::Buffer<ffi::U8> packets,
@@ -723,22 +739,22 @@ ffi::Error Dequantize(cudaStream_t stream, ffi::Buffer<ffi::U8> packets,
   return launch_status("dequantize");
 }
 
-ffi::Error ReduceRequantize(cudaStream_t stream, ffi::Buffer<ffi::U8> peers, ffi::AnyBuffer own,
-                            ffi::Buffer<ffi::S32> own_index, ffi::Buffer<ffi::U32> seed,
-                            ffi::ResultBuffer<ffi::U8> packet, ffi::ResultBuffer<ffi::F32> sum,
-                            int64_t bits, int64_t bucket_size, bool stochastic, int64_t n,
-                            int64_t offset, int64_t divisor) {
+// The three reduce targets, writing what `out` says; `seed` is null for the sum alone.
+ffi::Error ReduceInto(cudaStream_t stream, ffi::Buffer<ffi::U8> peers, ffi::AnyBuffer own,
+                      ffi::Buffer<ffi::S32> own_index, const ffi::Buffer<ffi::U32>* seed,
+                      const ReduceOutputs& out, int64_t bits, int64_t bucket_size,
+                      bool stochastic, int64_t n, int64_t offset, int64_t divisor) {
   int64_t num_peers = 0, row_bytes = 0;
-  if (auto e = check_reduce_requantize_args(
-          bits, bucket_size, n, offset, divisor, peers.dimensions(), seed.element_count(),
-          own_index.element_count(), own.element_count(), packet->element_count(),
-          sum->element_count(), &num_peers, &row_bytes);
+  const std::optional<int64_t> seed_count =
+      seed ? std::optional<int64_t>(seed->element_count()) : std::nullopt;
+  if (auto e = check_reduce_args(bits, bucket_size, n, offset, divisor, peers.dimensions(),
+                                 seed_count, own_index.element_count(), own.element_count(),
+                                 out, &num_peers, &row_bytes);
       e.failure())
     return e;
   // own_index lives in device memory and is not range-checked here, unlike on the CPU:
   // reading it would synchronize with the stream (see reduce_requantize_kernel).
-  if (n == 0 || (packet->element_count() == 0 && sum->element_count() == 0))
-    return ffi::Error::Success();
+  if (n == 0) return ffi::Error::Success();
 
   // Buckets of up to 128 groups fit one warp's staging; larger ones take the whole block,
   // staged up to kStagedSumsPerBlock values.
@@ -752,7 +768,6 @@ ffi::Error ReduceRequantize(cudaStream_t stream, ffi::Buffer<ffi::U8> peers, ffi
              : 0;
 
   const void* own_data = own.element_count() ? own.untyped_data() : nullptr;
-  float* sum_out = sum->element_count() ? sum->typed_data() : nullptr;
   const uint8_t* peer_packets = peers.typed_data() + offset;
   const ReduceArgs args{peer_packets,
                         row_bytes,
@@ -761,18 +776,18 @@ ffi::Error ReduceRequantize(cudaStream_t stream, ffi::Buffer<ffi::U8> peers, ffi
                         own_index.typed_data(),
                         own.element_count() > n ? n : 0,
                         own.element_count(),
-                        seed.typed_data(),
+                        seed ? seed->typed_data() : nullptr,
                         static_cast<int>(bits),
                         bucket_size,
                         stochastic,
                         tile,
-                        packet->element_count() ? packet->typed_data() : nullptr,
-                        sum_out,
-                        sum->element_count(),
+                        out.packet,
+                        out.sum,
+                        out.sum_count,
                         reciprocal_of(divisor),
                         aligned_to(peer_packets, 8) && (num_peers <= 1 || row_bytes % 8 == 0),
                         aligned_to(own_data, 16),
-                        aligned_to(sum_out, 16)};
+                        aligned_to(out.sum, 16)};
   const bool supported = with_float_type(own.element_type(), [&](auto tag) {
     using Tag = decltype(tag);
     with_team(team, [&](auto team_size) {
@@ -785,15 +800,53 @@ ffi::Error ReduceRequantize(cudaStream_t stream, ffi::Buffer<ffi::U8> peers, ffi
   return launch_status("reduce_requantize");
 }
 
+ffi::Error ReduceRequantize(cudaStream_t stream, ffi::Buffer<ffi::U8> peers, ffi::AnyBuffer own,
+                            ffi::Buffer<ffi::S32> own_index, ffi::Buffer<ffi::U32> seed,
+                            ffi::ResultBuffer<ffi::U8> packet, int64_t bits,
+                            int64_t bucket_size, bool stochastic, int64_t n, int64_t offset) {
+  const ReduceOutputs out{packet->typed_data(), packet->element_count()};
+  return ReduceInto(stream, peers, own, own_index, &seed, out, bits, bucket_size, stochastic,
+                    n, offset, 1);
+}
+
+ffi::Error ReduceRequantizeWithSum(cudaStream_t stream, ffi::Buffer<ffi::U8> peers,
+                                   ffi::AnyBuffer own, ffi::Buffer<ffi::S32> own_index,
+                                   ffi::Buffer<ffi::U32> seed, ffi::ResultBuffer<ffi::U8> packet,
+                                   ffi::ResultBuffer<ffi::F32> sum, int64_t bits,
+                                   int64_t bucket_size, bool stochastic, int64_t n,
+                                   int64_t offset) {
+  const ReduceOutputs out{packet->typed_data(), packet->element_count(), sum->typed_data(),
+                          sum->element_count()};
+  return ReduceInto(stream, peers, own, own_index, &seed, out, bits, bucket_size, stochastic,
+                    n, offset, 1);
+}
+
+ffi::Error ReduceSum(cudaStream_t stream, ffi::Buffer<ffi::U8> peers, ffi::AnyBuffer own,
+                     ffi::Buffer<ffi::S32> own_index, ffi::ResultBuffer<ffi::F32> sum,
+                     int64_t bits, int64_t bucket_size, int64_t n, int64_t offset,
+                     int64_t divisor) {
+  const ReduceOutputs out{nullptr, 0, sum->typed_data(), sum->element_count()};
+  return ReduceInto(stream, peers, own, own_index, nullptr, out, bits, bucket_size, false, n,
+                    offset, divisor);
+}
+
 }  // namespace
 
 using Stream = ffi::PlatformStream<cudaStream_t>;
 XLA_FFI_DEFINE_HANDLER_SYMBOL(cgx_quantize_cuda, Quantize, quantize_binding<Stream>(),
                               {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(cgx_quantize_with_residual_cuda, QuantizeWithResidual,
+                              quantize_with_residual_binding<Stream>(),
+                              {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(cgx_dequantize_cuda, Dequantize, dequantize_binding<Stream>(),
                               {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(cgx_reduce_requantize_cuda, ReduceRequantize,
                               reduce_requantize_binding<Stream>(),
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(cgx_reduce_requantize_with_sum_cuda, ReduceRequantizeWithSum,
+                              reduce_requantize_with_sum_binding<Stream>(),
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(cgx_reduce_sum_cuda, ReduceSum, reduce_sum_binding<Stream>(),
                               {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace cgx
@@ -810,8 +863,13 @@ NB_MODULE(_cgx_cuda, m) {
   }, "(runtime, driver): the CUDA runtime this module was built with and the installed "
      "driver's CUDA version (1000 * major + 10 * minor; driver 0 when none is installed).");
   m.def("registrations", []() {
-    return cgx::registrations(reinterpret_cast<void*>(cgx::cgx_quantize_cuda),
-                              reinterpret_cast<void*>(cgx::cgx_dequantize_cuda),
-                              reinterpret_cast<void*>(cgx::cgx_reduce_requantize_cuda));
+    return cgx::registrations({
+        {"cgx_quantize", cgx::cgx_quantize_cuda},
+        {"cgx_quantize_with_residual", cgx::cgx_quantize_with_residual_cuda},
+        {"cgx_dequantize", cgx::cgx_dequantize_cuda},
+        {"cgx_reduce_requantize", cgx::cgx_reduce_requantize_cuda},
+        {"cgx_reduce_requantize_with_sum", cgx::cgx_reduce_requantize_with_sum_cuda},
+        {"cgx_reduce_sum", cgx::cgx_reduce_sum_cuda},
+    });
   });
 }

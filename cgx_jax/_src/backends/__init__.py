@@ -1,5 +1,6 @@
-"""The codec's three operations, ``quantize_rows``, ``dequantize_rows`` and
-``reduce_requantize``, in two implementations with one contract (docs/design.md section 3):
+"""The codec's operations, ``quantize_rows``, ``dequantize_rows`` and the reductions
+``reduce_requantize``, ``reduce_requantize_with_sum`` and ``reduce_sum``, in two
+implementations with one contract (docs/design.md section 3):
 ``"ffi"`` (``cgx_jax._src.backends.ffi``, whose docstrings state it): the C++/CUDA kernels as XLA
 FFI custom calls; ``"jax"`` (``cgx_jax._src.backends.pure_jax``): the same format in
 ``jax.numpy``, for TPU or builds without kernels, with the same signatures

@@ -20,7 +20,8 @@ import numpy as np
 
 from cgx_jax._src.codec import Codec, packet_bytes
 
-TARGETS = ("cgx_quantize", "cgx_dequantize", "cgx_reduce_requantize")
+TARGETS = ("cgx_quantize", "cgx_quantize_with_residual", "cgx_dequantize",
+           "cgx_reduce_requantize", "cgx_reduce_requantize_with_sum", "cgx_reduce_sum")
 
 
 def _jax_has_gpu() -> bool:
@@ -161,12 +162,15 @@ def quantize_rows(x: jax.Array, seed: jax.Array, codec: Codec, skip_row=None,
     _register()
     rows, n = _row_shape(x, n)
     skip_row = jnp.asarray(-1 if skip_row is None else skip_row, jnp.int32)
-    outs = (jax.ShapeDtypeStruct((rows, packet_bytes(n, codec)), jnp.uint8),
-            jax.ShapeDtypeStruct(x.shape if with_residual else (0,), jnp.float32))
-    call = jax.ffi.ffi_call("cgx_quantize", outs, vmap_method="sequential")
-    packets, residual = call(x, seed, skip_row, stochastic=codec.stochastic, n=np.int64(n),
-                         **_codec_attrs(codec))
-    return (packets, residual) if with_residual else packets
+    packets = jax.ShapeDtypeStruct((rows, packet_bytes(n, codec)), jnp.uint8)
+    if with_residual:
+        call = jax.ffi.ffi_call("cgx_quantize_with_residual",
+                                (packets, jax.ShapeDtypeStruct(x.shape, jnp.float32)),
+                                vmap_method="sequential")
+    else:
+        call = jax.ffi.ffi_call("cgx_quantize", packets, vmap_method="sequential")
+    return call(x, seed, skip_row, stochastic=codec.stochastic, n=np.int64(n),
+                **_codec_attrs(codec))
 
 
 def _row_shape(x, n):
@@ -194,31 +198,55 @@ def dequantize_rows(packets: jax.Array, codec: Codec, n: int, dtype,
                 **_codec_attrs(codec))
 
 
-def reduce_requantize(peers, own, own_index, seed, codec: Codec, n: int, *,
-                      emit_packet: bool = True, emit_sum: bool = False, offset: int = 0,
-                      sum_size: int | None = None, divisor: int = 1):
+def _own_operand(own):
+    """``own`` for the kernels: an empty buffer stands for no own chunk."""
+    return jnp.zeros((0,), jnp.float32) if own is None else own
+
+
+def reduce_requantize(peers, own, own_index, seed, codec: Codec, n: int, *, offset: int = 0):
     """The peer-to-peer reduction: decodes the ``N`` packets ``peers[:, offset:offset + P]``
     (of ``peers uint8 [N, W]``) of one chunk of ``n`` values, sums them in f32 in peer order
     0..N-1 (peer ``own_index`` replaced by the raw ``own`` chunk unless ``own`` is None) and
-    re-encodes the sum as one packet. ``own`` is the ``[n]`` chunk or all ``N`` rows of ``n``
-    (any shape, the last row possibly short: a missing value reads as the last one), of which
-    the kernel reads row ``own_index`` (so a caller holding the rows passes them without
-    slicing out a copy). ``sum_size`` keeps the first values of the sum only; the emitted
-    sum is scaled by ``1 / divisor`` (as in ``dequantize_rows``; the packet encodes the sum).
+    re-encodes the sum as one packet (noise keyed by ``seed``, ``uint32[2]``). ``own`` is
+    the ``[n]`` chunk or all ``N`` rows of ``n`` (any shape, the last row possibly short: a
+    missing value reads as the last one), of which the kernel reads row ``own_index`` (so a
+    caller holding the rows passes them without slicing out a copy).
 
-    Returns ``(packet uint8[P] or None, sum f32[n] (or [sum_size]) or None)``.
+    Returns the packet, ``uint8[P]``.
     """
     _register()
-    pbytes = packet_bytes(n, codec)
-    if own is None:
-        own = jnp.zeros((0,), jnp.float32)
-    outs = (
-        jax.ShapeDtypeStruct((pbytes if emit_packet else 0,), jnp.uint8),
-        jax.ShapeDtypeStruct(((n if sum_size is None else sum_size) if emit_sum else 0,),
-                             jnp.float32),
-    )
-    call = jax.ffi.ffi_call("cgx_reduce_requantize", outs, vmap_method="sequential")
-    packet, total = call(peers, own, jnp.asarray(own_index, jnp.int32), seed,
-                         stochastic=codec.stochastic, n=np.int64(n), offset=np.int64(offset),
-                         divisor=np.int64(divisor), **_codec_attrs(codec))
-    return (packet if emit_packet else None), (total if emit_sum else None)
+    packet = jax.ShapeDtypeStruct((packet_bytes(n, codec),), jnp.uint8)
+    call = jax.ffi.ffi_call("cgx_reduce_requantize", packet, vmap_method="sequential")
+    return call(peers, _own_operand(own), jnp.asarray(own_index, jnp.int32), seed,
+                stochastic=codec.stochastic, n=np.int64(n), offset=np.int64(offset),
+                **_codec_attrs(codec))
+
+
+def reduce_requantize_with_sum(peers, own, own_index, seed, codec: Codec, n: int, *,
+                               offset: int = 0):
+    """``reduce_requantize`` that also returns the f32 sum the packet encodes (the ring's
+    error feedback reads what re-encoding it lost).
+
+    Returns ``(packet uint8[P], sum f32[n])``.
+    """
+    _register()
+    outs = (jax.ShapeDtypeStruct((packet_bytes(n, codec),), jnp.uint8),
+            jax.ShapeDtypeStruct((n,), jnp.float32))
+    call = jax.ffi.ffi_call("cgx_reduce_requantize_with_sum", outs, vmap_method="sequential")
+    return call(peers, _own_operand(own), jnp.asarray(own_index, jnp.int32), seed,
+                stochastic=codec.stochastic, n=np.int64(n), offset=np.int64(offset),
+                **_codec_attrs(codec))
+
+
+def reduce_sum(peers, own, own_index, codec: Codec, n: int, *, offset: int = 0,
+               size: int | None = None, divisor: int = 1):
+    """The sum ``reduce_requantize`` encodes, returned instead of encoded: f32 ``[n]``, or
+    its first ``size`` values, times ``1 / divisor`` rounded to f32 (as in
+    ``dequantize_rows``). Deterministic: no seed.
+    """
+    _register()
+    total = jax.ShapeDtypeStruct((n if size is None else size,), jnp.float32)
+    call = jax.ffi.ffi_call("cgx_reduce_sum", total, vmap_method="sequential")
+    return call(peers, _own_operand(own), jnp.asarray(own_index, jnp.int32), n=np.int64(n),
+                offset=np.int64(offset), divisor=np.int64(divisor),
+                bits=np.int64(codec.bits), bucket_size=np.int64(codec.bucket_size))

@@ -129,10 +129,9 @@ def _scaled(values, divisor: int):
     return values if divisor == 1 else values * (np.float32(1) / np.float32(divisor))
 
 
-def reduce_requantize(peers, own, own_index, seed, codec: Codec, n: int, *,
-                      emit_packet: bool = True, emit_sum: bool = False, offset: int = 0,
-                      sum_size=None, divisor: int = 1):
-    """Same contract as ``cgx_jax._src.backends.ffi.reduce_requantize``."""
+def _reduced(peers, own, own_index, codec: Codec, n: int, offset: int):
+    """The f32 sum in peer order of the peers' decoded packets (peer ``own_index`` replaced by
+    the raw ``own`` chunk unless ``own`` is None), as the kernels add them."""
     num_peers = peers.shape[0]
     pbytes = packet_bytes(n, codec)
     if not 0 <= offset <= peers.shape[1] - pbytes:
@@ -149,6 +148,24 @@ def reduce_requantize(peers, own, own_index, seed, codec: Codec, n: int, *,
     total = jnp.zeros((n,), jnp.float32)
     for peer in range(num_peers):  # peer order 0..N-1, as the kernels
         total = total + decoded[peer]
-    packet = quantize_rows(total[None, :], seed, codec)[0] if emit_packet else None
-    total = _scaled(total, divisor)
-    return packet, ((total if sum_size is None else total[:sum_size]) if emit_sum else None)
+    return total
+
+
+def reduce_requantize(peers, own, own_index, seed, codec: Codec, n: int, *, offset: int = 0):
+    """Same contract as ``cgx_jax._src.backends.ffi.reduce_requantize``."""
+    total = _reduced(peers, own, own_index, codec, n, offset)
+    return quantize_rows(total[None, :], seed, codec)[0]
+
+
+def reduce_requantize_with_sum(peers, own, own_index, seed, codec: Codec, n: int, *,
+                               offset: int = 0):
+    """Same contract as ``cgx_jax._src.backends.ffi.reduce_requantize_with_sum``."""
+    total = _reduced(peers, own, own_index, codec, n, offset)
+    return quantize_rows(total[None, :], seed, codec)[0], total
+
+
+def reduce_sum(peers, own, own_index, codec: Codec, n: int, *, offset: int = 0, size=None,
+               divisor: int = 1):
+    """Same contract as ``cgx_jax._src.backends.ffi.reduce_sum``."""
+    total = _scaled(_reduced(peers, own, own_index, codec, n, offset), divisor)
+    return total if size is None else total[:size]

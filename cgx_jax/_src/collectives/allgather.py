@@ -22,9 +22,8 @@ def allgather_reduce(bufs, lengths, axis_name, index, num_participants, seeds, c
                for buf, s, codec, length in zip(bufs, seeds, codecs, lengths)]
     packets = [e[0] for e in encoded] if with_residual else encoded
     gathered = gather_packets(jnp.concatenate(packets, axis=1)[0], axis_name, num_participants)
-    totals = [backend.reduce_requantize(gathered, None, index, s[1], codec, length,
-                                        emit_packet=False, emit_sum=True, offset=offset,
-                                        sum_size=buf.size, divisor=divisor)[1]
-              for buf, s, codec, length, offset in zip(bufs, seeds, codecs, lengths,
-                                                       column_offsets(packets))]
+    totals = [backend.reduce_sum(gathered, None, index, codec, length, offset=offset,
+                                 size=buf.size, divisor=divisor)
+              for buf, codec, length, offset in zip(bufs, codecs, lengths,
+                                                    column_offsets(packets))]
     return totals, ([e[1] for e in encoded] if with_residual else None)

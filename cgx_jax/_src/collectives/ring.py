@@ -50,10 +50,10 @@ def ring_reduce(buf, axis_name, index, num_participants, seeds, codec, backend, 
         own = raw_chunk(c)
         peers = jnp.stack([received, received])  # row 1 is replaced by the raw own chunk
         if residuals is None:
-            packet, _ = backend.reduce_requantize(peers, own, 1, seeds[hop + 1], codec, chunk)
+            packet = backend.reduce_requantize(peers, own, 1, seeds[hop + 1], codec, chunk)
         else:
-            packet, values = backend.reduce_requantize(peers, own, 1, seeds[hop + 1], codec,
-                                                   chunk, emit_sum=True)
+            packet, values = backend.reduce_requantize_with_sum(peers, own, 1, seeds[hop + 1],
+                                                                codec, chunk)
             residuals = encode_residual(residuals, c, values, packet)
     # Now c == index: this participant holds the encoded full sum of its own chunk.
     gathered = gather_packets(packet, axis_name, n)

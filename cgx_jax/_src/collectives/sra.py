@@ -39,9 +39,8 @@ def reduce_scatter(bufs, lengths, axis_name, index, num_participants, seeds, cod
     chunks = [length // n for length in lengths]
     received, offsets, _ = exchange_chunks(bufs, chunks, axis_name, index, n, seeds, codecs,
                                            backend)
-    return [backend.reduce_requantize(received, buf, index, s[0], codec, chunk,
-                                      emit_packet=False, emit_sum=True, offset=offset)[1]
-            for buf, s, codec, chunk, offset in zip(bufs, seeds, codecs, chunks, offsets)]
+    return [backend.reduce_sum(received, buf, index, codec, chunk, offset=offset)
+            for buf, codec, chunk, offset in zip(bufs, codecs, chunks, offsets)]
 
 
 def scatter_reduce_allgather(bufs, lengths, axis_name, index, num_participants, seeds, codecs,
@@ -62,7 +61,7 @@ def scatter_reduce_allgather(bufs, lengths, axis_name, index, num_participants, 
     # The kernels read the own chunk from the buffer (its row `index`) and each segment's
     # packets at their offset in the wire rows: slicing either out here would make XLA copy it.
     reduced = [backend.reduce_requantize(received, buf, index, s[1], codec, chunk,
-                                         offset=offset)[0]
+                                         offset=offset)
                for buf, s, codec, chunk, offset in zip(bufs, seeds, codecs, chunks, offsets)]
     gathered = gather_packets(jnp.concatenate(reduced), axis_name, n)
     totals = [backend.dequantize_rows(gathered, codec, chunk, "float32", offset=offset,
