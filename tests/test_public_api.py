@@ -3,6 +3,7 @@ cgx_jax`` exposes, each name documented with an example (each function with its
 arguments and result), implemented under ``cgx_jax._src``
 (which is not API), and the internals not importable under their old public paths."""
 
+import dataclasses
 import inspect
 import pathlib
 import subprocess
@@ -63,6 +64,29 @@ def test_every_public_function_documents_its_arguments_and_result(name):
                  for word in line.split(":")[0].replace(",", " ").split()}
         assert set(parameters) <= named, (
             f"cgx_jax.{name}: Args: does not name {sorted(set(parameters) - named)}")
+
+
+def _fields(cls) -> list[str]:
+    if dataclasses.is_dataclass(cls):
+        return [field.name for field in dataclasses.fields(cls)]
+    return list(getattr(cls, "_fields", ()))  # a NamedTuple's
+
+
+CLASSES = [name for name in PUBLIC if inspect.isclass(getattr(cgx, name))
+           and _fields(getattr(cgx, name))]
+
+
+@pytest.mark.parametrize("name", CLASSES)
+def test_every_public_class_documents_its_fields(name):
+    """An ``Attributes:`` section naming every field, before the example."""
+    doc = inspect.getdoc(getattr(cgx, name))
+    assert "Attributes:" in doc, f"cgx_jax.{name}: no Attributes: section"
+    assert doc.index("Attributes:") < doc.index("Example"), name
+    section = doc[doc.index("Attributes:"):doc.index("Example")]
+    named = {line.split(":")[0].strip() for line in section.splitlines()[1:]
+             if line.startswith("  ") and not line.startswith("    ") and ":" in line}
+    missing = set(_fields(getattr(cgx, name))) - named
+    assert not missing, f"cgx_jax.{name}: Attributes: does not name {sorted(missing)}"
 
 
 @pytest.mark.parametrize("name", PUBLIC)

@@ -29,6 +29,16 @@ class Codec:
 
     Frozen and hashable, so it can be a static argument of ``jax.jit``.
 
+    Attributes:
+      bits: bits per value, an int in 1..8.
+      bucket_size: values per bucket (each with its own scale), a positive multiple of 8 up
+        to 2^24.
+      rounding: ``"stochastic"`` (unbiased, noise from the call's PRNG key) or ``"nearest"``.
+
+    Raises:
+      TypeError: ``bits`` or ``bucket_size`` not an int.
+      ValueError: one of them out of range, or another ``rounding``.
+
     Example:
         >>> import cgx_jax as cgx
         >>> codec = cgx.Codec(bits=4, bucket_size=1024)

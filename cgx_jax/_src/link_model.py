@@ -38,8 +38,18 @@ PAYS_FRACTION = 0.1
 
 @dataclasses.dataclass(frozen=True)
 class LinkProfile:
-    """The fitted all-reduce costs of one set of processes on one network (see the module
-    docstring); ``load``/``save`` read and write the JSON ``bench link`` writes.
+    """The fitted all-reduce costs of one set of processes on one network (the straight lines
+    of the module docstring); ``load``/``save`` read and write the JSON ``bench link`` writes.
+
+    Attributes:
+      processes: the number of processes it was measured across.
+      exact_latency: seconds of a ``psum`` of nothing (the exact line's intercept).
+      seconds_per_byte: seconds per f32 byte of a ``psum``.
+      compressed_latency: seconds of a compressed all-reduce of nothing.
+      seconds_per_wire_byte: seconds per byte a compressed all-reduce sends.
+      seconds_per_value: seconds per value of the compressed all-reduce's kernels.
+      seconds_per_leaf: seconds each more leaf of a pytree ``psum`` costs.
+      description: where it was measured (the CPU, the link).
 
     Example:
         >>> import cgx_jax as cgx

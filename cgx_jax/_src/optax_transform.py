@@ -34,15 +34,20 @@ from cgx_jax._src.vma import check_local
 
 
 class CompressedAllReduceState(NamedTuple):
-    """``rng_key``: raw ``uint32[2]`` PRNG key, split every step (fresh, reproducible stochastic
-    rounding noise; a plain array, so it checkpoints like any optimizer state).
-    ``residual``: with error feedback, what the last step's local compression lost: a pytree
-    of f32 arrays of shape ``(1, *gradient_shape)`` for the leaves the policy compresses
-    (``(1, 1)``, one zero, for the exact ones, which lose nothing), one row per participant,
-    so under ``shard_map`` it is sharded over the data axis (``state_specs``/``shard_state``) and
-    every participant's residual is saved in a checkpoint; ``None`` without it.
-    ``adaptive``: with ``adaptive=``, the ``AdaptiveState`` (error statistics for
-    ``cgx.refit_policy``); ``None`` without it.
+    """The state of ``compressed_allreduce``: plain arrays, so it checkpoints like any
+    optimizer state.
+
+    Attributes:
+      rng_key: raw ``uint32[2]`` PRNG key, split every step (fresh, reproducible stochastic
+        rounding noise).
+      residual: with error feedback, what the last step's local compression lost: a pytree
+        of f32 arrays of shape ``(1, *gradient_shape)`` for the leaves the policy compresses
+        (``(1, 1)``, one zero, for the exact ones, which lose nothing), one row per
+        participant, so under ``shard_map`` it is sharded over the data axis
+        (``state_specs``/``shard_state``) and every participant's residual is saved in a
+        checkpoint; ``None`` without it.
+      adaptive: with ``adaptive=``, the ``AdaptiveState`` (error statistics for
+        ``cgx.refit_policy``); ``None`` without it.
 
     Example:
         >>> import jax.numpy as jnp, cgx_jax as cgx

@@ -76,6 +76,17 @@ class LayerPolicy:
 
     Frozen and hashable (``overrides`` is stored as a tuple of pairs).
 
+    Attributes:
+      default: the codec of every leaf no other rule decides (``None``: all exact).
+      min_size: leaves of fewer values are exact.
+      min_ndim: leaves of fewer dimensions are exact (2: biases and norm scales).
+      exclude: regexes of ``a/b/c`` leaf paths kept exact.
+      overrides: ``{regex: Codec or None}`` (or pairs), checked in order before the rest.
+
+    Raises:
+      TypeError: a ``default`` or override codec that is not a ``Codec`` or ``None``.
+      ValueError: a negative or non-int ``min_size``/``min_ndim``, or a bad regex.
+
     Example:
         >>> import cgx_jax as cgx, jax.numpy as jnp
         >>> policy = cgx.LayerPolicy(default=cgx.Codec(bits=4), min_size=1024,

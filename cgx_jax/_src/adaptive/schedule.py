@@ -28,10 +28,20 @@ from cgx_jax._src.policy import LayerPolicy
 @dataclasses.dataclass(frozen=True)
 class AdaptiveConfig:
     """When and how ``compressed_allreduce(..., adaptive=config)`` collects error statistics
-    and ``refit_policy`` refits: ``budget_bits``, ``choices`` and ``bucket_size`` as for
-    ``fit_policy``; a refit is due after ``warmup`` steps and then every ``every`` steps
-    (``due(step)``). The state holds the mean error table of the steps since the last due
-    step.
+    and ``refit_policy`` refits. A refit is due after ``warmup`` steps and then every
+    ``every`` steps (``due(step)``); the state holds the mean error table of the steps since
+    the last due step.
+
+    Attributes:
+      budget_bits: the mean wire bits per value a refit may spend, as for ``fit_policy``.
+      every: steps between refits (an int >= 1).
+      warmup: steps before the first refit (an int >= 0).
+      choices: the candidate bit widths, as for ``fit_policy``.
+      bucket_size: the bucket size of every candidate codec.
+
+    Raises:
+      ValueError: a budget outside the choices' range, bad choices, a bad bucket size, or
+        ``every``/``warmup`` not an int of at least 1/0.
 
     Example:
         >>> import cgx_jax as cgx
