@@ -108,7 +108,7 @@ def test_adaptive_mode_refits_the_policy_once(monkeypatch):
 # ---------------------------------------------------------------------------
 
 TRAIN = os.path.join(EXAMPLE_DIR, "train.py")
-RESTART_STEPS, CHECKPOINT_EVERY = 200, 50
+RESTART_STEPS, CHECKPOINT_EVERY = 90, 30
 
 
 def _launch_training(checkpoints):
