@@ -311,6 +311,110 @@ def test_default_state_has_no_adaptive_statistics():
 
 
 # ---------------------------------------------------------------------------
+# A time budget on a measured link (Kimad)
+# ---------------------------------------------------------------------------
+
+def a_link(latency=2e-3, per_byte=1e-6, per_value=2e-9):
+    """A link of ``per_byte`` seconds per byte (1e-6: about a millisecond per KB), and a
+    latency per codec (each codec in use is one more buffer) that a byte budget ignores."""
+    return cgx.LinkProfile(processes=4, exact_latency=1e-3, seconds_per_byte=per_byte,
+                           compressed_latency=latency, seconds_per_wire_byte=per_byte,
+                           seconds_per_value=per_value)
+
+
+def model_seconds(table, link, bits):
+    """The all-reduce time of per-leaf ``bits``, written out from the link model (design.md
+    section 11): a latency per codec, per wire byte, per value, and the exact psum."""
+    nbytes = sum(int(table.bytes[i, table.choices.index(b)]) for i, b in enumerate(bits))
+    exact = (link.exact_latency + link.seconds_per_byte * table.exact_bytes
+             if table.exact_bytes else 0.0)
+    return (link.compressed_latency * len(set(bits)) + link.seconds_per_wire_byte * nbytes
+            + link.seconds_per_value * sum(table.sizes) + exact)
+
+
+def with_exact_bytes(table, exact_bytes):
+    return cgx.ErrorTable(table.paths, table.sizes, table.errors, table.bytes, table.choices,
+                          table.bucket_size, exact_bytes)
+
+
+def test_time_budget_fit_matches_brute_force_and_beats_every_uniform_width_that_fits():
+    rng = np.random.default_rng(11)
+    link, checked = a_link(), 0
+    for _ in range(10):
+        table = with_exact_bytes(random_table(rng, rng.integers(3, 6), (2, 3, 4, 8)),
+                                 int(rng.integers(0, 2000)))
+        times = {a: model_seconds(table, link, a) for a in assignments(table)}
+        for budget in np.quantile(sorted(times.values()), [0.05, 0.3, 0.6, 0.9]):
+            feasible = [table.cost(a)[0] for a, t in times.items() if t <= budget]
+            # Enough cells for one per byte: the DP is exact, so the result is the optimum.
+            fitted = cgx.fit_policy(table, time_budget=float(budget), link=link,
+                                    cells=int(table.bytes.sum()))
+            bits = table.bits_of(fitted)
+            assert model_seconds(table, link, bits) <= budget
+            np.testing.assert_allclose(table.cost(bits)[0], min(feasible), rtol=1e-6)
+            for width in table.choices:
+                if model_seconds(table, link, [width] * len(table.paths)) <= budget:
+                    assert table.cost(bits)[0] <= table.cost(width)[0] * (1 + 1e-6)
+            checked += 1
+    assert checked == 40
+
+
+def test_time_budget_fit_of_gradients_fits_what_estimate_predicts():
+    """From a gradient tree: the exact leaves' psum counts against the budget, and the fitted
+    policy's all-reduce, as cgx.estimate predicts it, fits; a tighter budget buys fewer
+    bits, a looser one more."""
+    keys = jax.random.split(jax.random.key(3), 3)
+    grads = {"big": jax.random.normal(keys[0], (256, 256)),
+             "small": 0.01 * jax.random.normal(keys[1], (128, 128)),
+             "bias": jax.random.normal(keys[2], (4096,))}
+    base = cgx.LayerPolicy(min_size=1024)  # bias: 1-D, exact
+    link = a_link(per_byte=2e-8)  # uniform 2 bits: 3.9 ms, 4 bits: 4.3 ms, 8 bits: 5.1 ms
+    table = cgx.layer_errors(grads, CHOICES, 1024, base=base)
+    assert table.paths == ("big", "small") and table.exact_bytes == 4 * 4096
+    means = []
+    for budget in (4.2e-3, 4.6e-3, 5.2e-3):
+        fitted = cgx.fit_policy(grads, time_budget=budget, link=link, base=base)
+        predicted = cgx.estimate(grads, link, policies={"fitted": fitted}).policies[0].seconds
+        assert predicted <= budget, (budget, predicted)
+        bits = table.bits_of(fitted)
+        means.append(np.average(bits, weights=table.sizes))
+        assert fitted.resolve(grads)["bias"] is None
+    assert means[0] < means[1] < means[2], means
+
+
+def test_a_time_budget_no_policy_meets_gets_the_fastest_policy_and_a_warning():
+    table = with_exact_bytes(random_table(np.random.default_rng(5), 4, (2, 4, 8)), 4000)
+    link = a_link()
+    fastest = model_seconds(table, link, [2] * 4)
+    with pytest.warns(UserWarning, match=r"no policy meets time_budget=.* the fastest \(every "
+                                         r"candidate at 2 bits\) takes .* ms over"):
+        fitted = cgx.fit_policy(table, time_budget=0.5 * fastest, link=link)
+    assert table.bits_of(fitted) == (2, 2, 2, 2)
+
+
+def test_time_budget_arguments_are_checked(tmp_path):
+    table = random_table(np.random.default_rng(0), 3, (2, 4, 8))
+    link = a_link()
+    with pytest.raises(ValueError, match="give one budget: budget_bits=4 .* time_budget=0.01"):
+        cgx.fit_policy(table, budget_bits=4, time_budget=0.01, link=link)
+    with pytest.raises(ValueError, match="time_budget needs link="):
+        cgx.fit_policy(table, time_budget=0.01)
+    with pytest.raises(ValueError, match="link= is only taken with time_budget="):
+        cgx.fit_policy(table, link=link)
+    for bad in (0, -1.0, float("nan"), True, "1"):
+        with pytest.raises(ValueError, match="time_budget must be the all-reduce's seconds"):
+            cgx.fit_policy(table, time_budget=bad, link=link)
+    with pytest.raises(ValueError, match="objective='error'"):
+        cgx.fit_policy(table, time_budget=0.01, link=link, objective="bytes")
+    with pytest.raises(TypeError, match="link must be a cgx.LinkProfile or the path"):
+        cgx.fit_policy(table, time_budget=0.01, link={"processes": 4})
+    path = tmp_path / "link.json"
+    link.save(str(path))
+    assert (cgx.fit_policy(table, time_budget=0.01, link=str(path))
+            == cgx.fit_policy(table, time_budget=0.01, link=link))
+
+
+# ---------------------------------------------------------------------------
 # Bad arguments
 # ---------------------------------------------------------------------------
 

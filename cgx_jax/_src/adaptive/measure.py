@@ -13,7 +13,7 @@ import numpy as np
 
 from cgx_jax._src.backends import get_backend
 from cgx_jax._src.codec import Codec, pad_to_multiple, wire_bytes
-from cgx_jax._src.policy import LayerPolicy, check_policy, path_name
+from cgx_jax._src.policy import LayerPolicy, check_policy, is_compressible, path_name
 
 DEFAULT_CHOICES = (2, 3, 4, 5, 6, 8)
 DEFAULT_BUCKET_SIZE = 1024
@@ -32,6 +32,8 @@ class ErrorTable:
       bytes: ``int64[leaves, choices]`` packet bytes (static numpy).
       choices: the candidate bit widths, ascending.
       bucket_size: the bucket size of every candidate codec.
+      exact_bytes: the f32 bytes of the floating leaves the base policy keeps exact (what
+        the step's exact ``psum`` sends; a time budget counts them).
 
     Example:
         >>> import jax.numpy as jnp, cgx_jax as cgx
@@ -41,23 +43,25 @@ class ErrorTable:
         (('w',), (2, 4), (1, 2))
     """
 
-    def __init__(self, paths, sizes, errors, bytes, choices, bucket_size):  # noqa: A002
+    def __init__(self, paths, sizes, errors, bytes, choices, bucket_size,  # noqa: A002
+                 exact_bytes: int = 0):
         self.paths = tuple(paths)
         self.sizes = tuple(int(s) for s in sizes)
         self.errors = errors
         self.bytes = np.asarray(bytes, np.int64).reshape(len(self.paths), len(choices))
         self.choices = tuple(choices)
         self.bucket_size = int(bucket_size)
+        self.exact_bytes = int(exact_bytes)
 
     def tree_flatten(self):
         aux = (self.paths, self.sizes, tuple(map(tuple, self.bytes.tolist())), self.choices,
-               self.bucket_size)
+               self.bucket_size, self.exact_bytes)
         return (self.errors,), aux
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        paths, sizes, nbytes, choices, bucket_size = aux
-        return cls(paths, sizes, children[0], nbytes, choices, bucket_size)
+        paths, sizes, nbytes, choices, bucket_size, exact_bytes = aux
+        return cls(paths, sizes, children[0], nbytes, choices, bucket_size, exact_bytes)
 
     def __repr__(self):
         return (f"ErrorTable(paths={self.paths}, choices={self.choices}, "
@@ -152,10 +156,12 @@ def layer_errors(grads, choices=DEFAULT_CHOICES, bucket_size: int = DEFAULT_BUCK
     flat = jax.tree_util.tree_flatten_with_path(grads)[0]
     resolved = base.resolve_leaves(grads)
     paths, sizes, errors, nbytes = [], [], [], []
+    exact_bytes = 0
     seed = jnp.zeros((2,), jnp.uint32)
     for (path, leaf), codec in zip(flat, resolved):
         leaf = jnp.asarray(leaf)
         if codec is None or leaf.size == 0:
+            exact_bytes += 4 * leaf.size if is_compressible(leaf) else 0
             continue
         values = leaf.reshape(-1).astype(jnp.float32)
         padded = pad_to_multiple(values, bucket_size)[None, :]
@@ -171,4 +177,4 @@ def layer_errors(grads, choices=DEFAULT_CHOICES, bucket_size: int = DEFAULT_BUCK
         nbytes.append([wire_bytes(leaf.size, codecs[b]) for b in choices])
     errors = jnp.stack(errors) if errors else jnp.zeros((0, len(choices)), jnp.float32)
     return ErrorTable(paths, sizes, errors, np.reshape(nbytes, (len(paths), len(choices))),
-                      choices, bucket_size)
+                      choices, bucket_size, exact_bytes)
