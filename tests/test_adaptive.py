@@ -392,6 +392,35 @@ def test_a_time_budget_no_policy_meets_gets_the_fastest_policy_and_a_warning():
     assert table.bits_of(fitted) == (2, 2, 2, 2)
 
 
+def test_a_refit_under_a_time_budget_follows_the_link_it_is_given():
+    """AdaptiveConfig(time_budget=...): each refit fits the window's error table to the
+    budget on the link as last measured; a link 4x slower per byte (with less latency) gets
+    fewer bits, and the
+    same link the same policy as fit_policy gives."""
+    config = cgx.AdaptiveConfig(time_budget=4.6e-3, every=5, warmup=1)
+    base = cgx.LayerPolicy(min_size=1024)
+    tx = cgx.compressed_allreduce("batch", policy=base, adaptive=config)
+    keys = jax.random.split(jax.random.key(4), 2)
+    grads = {"big": jax.random.normal(keys[0], (2, 256, 256)),
+             "small": 0.01 * jax.random.normal(keys[1], (2, 128, 128))}
+    state = jax.pmap(tx.init)(grads)
+    _, state = jax.pmap(tx.update, axis_name="batch")(grads, state)
+    fast, slow = a_link(per_byte=2e-8), a_link(per_byte=8e-8, latency=1e-4)
+    table = state.adaptive.table
+    bits = {}
+    for name, link in (("fast", fast), ("slow", slow)):
+        refit = cgx.refit_policy(state, config, base=base, link=link)
+        assert refit == cgx.fit_policy(table, time_budget=4.6e-3, link=link, base=base)
+        bits[name] = np.average(table.bits_of(refit), weights=table.sizes)
+    assert bits["slow"] < bits["fast"], bits
+    with pytest.raises(ValueError, match="time_budget needs link="):
+        cgx.refit_policy(state, config, base=base)
+    with pytest.raises(ValueError, match="give one budget"):
+        cgx.AdaptiveConfig(budget_bits=4, time_budget=0.01)
+    with pytest.raises(ValueError, match="time_budget must be the all-reduce's seconds"):
+        cgx.AdaptiveConfig(time_budget=-1)
+
+
 def test_time_budget_arguments_are_checked(tmp_path):
     table = random_table(np.random.default_rng(0), 3, (2, 4, 8))
     link = a_link()

@@ -221,10 +221,7 @@ def _time_budget_link(budget_bits, time_budget, link, objective) -> LinkProfile 
     if objective != "error":
         raise ValueError(f"time_budget minimises the error (objective='error'), got "
                          f"objective={objective!r}")
-    if (isinstance(time_budget, bool) or not isinstance(time_budget, numbers.Real)
-            or not math.isfinite(time_budget) or time_budget <= 0):
-        raise ValueError(f"time_budget must be the all-reduce's seconds, a finite number > 0, "
-                         f"got {time_budget!r}")
+    check_time_budget(time_budget)
     if link is None:
         raise ValueError("time_budget needs link=: the cgx.LinkProfile (or the JSON path) "
                          "that python -m cgx_jax.bench link measured for these processes")
@@ -234,6 +231,13 @@ def _time_budget_link(budget_bits, time_budget, link, objective) -> LinkProfile 
         return LinkProfile.load(link)
     raise TypeError(f"link must be a cgx.LinkProfile or the path of one, got "
                     f"{type(link).__name__}")
+
+
+def check_time_budget(time_budget) -> None:
+    if (isinstance(time_budget, bool) or not isinstance(time_budget, numbers.Real)
+            or not math.isfinite(time_budget) or time_budget <= 0):
+        raise ValueError(f"time_budget must be the all-reduce's seconds, a finite number > 0, "
+                         f"got {time_budget!r}")
 
 
 def predicted_seconds(table: ErrorTable, profile: LinkProfile, columns) -> float:

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cgx_jax._src.adaptive.fit import check_budget, fit_policy
+from cgx_jax._src.adaptive.fit import check_budget, check_time_budget, fit_policy
 from cgx_jax._src.adaptive.measure import (
     DEFAULT_BUCKET_SIZE,
     DEFAULT_CHOICES,
@@ -30,7 +30,8 @@ class AdaptiveConfig:
     """When and how ``compressed_allreduce(..., adaptive=config)`` collects error statistics
     and ``refit_policy`` refits. A refit is due after ``warmup`` steps and then every
     ``every`` steps (``due(step)``); the state holds the mean error table of the steps since
-    the last due step.
+    the last due step. One budget: ``budget_bits`` (4 when neither is given) or
+    ``time_budget``.
 
     Attributes:
       budget_bits: the mean wire bits per value a refit may spend, as for ``fit_policy``.
@@ -38,10 +39,13 @@ class AdaptiveConfig:
       warmup: steps before the first refit (an int >= 0).
       choices: the candidate bit widths, as for ``fit_policy``.
       bucket_size: the bucket size of every candidate codec.
+      time_budget: the seconds the all-reduce may take: each refit fits the bits to it on
+        the link ``refit_policy`` is given (the one last measured), as ``fit_policy`` does.
 
     Raises:
-      ValueError: a budget outside the choices' range, bad choices, a bad bucket size, or
-        ``every``/``warmup`` not an int of at least 1/0.
+      ValueError: a budget outside the choices' range or both budgets, bad choices, a bad
+        bucket size, a ``time_budget`` not a number > 0, or ``every``/``warmup`` not an int
+        of at least 1/0.
 
     Example:
         >>> import cgx_jax as cgx
@@ -50,15 +54,23 @@ class AdaptiveConfig:
         [10, 110, 210]
     """
 
-    budget_bits: float = 4.0
+    budget_bits: float | None = None
     every: int = 100
     warmup: int = 10
     choices: tuple = DEFAULT_CHOICES
     bucket_size: int = DEFAULT_BUCKET_SIZE
+    time_budget: float | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "choices", check_choices(self.choices))
-        check_budget(self.budget_bits, self.choices, "error")
+        if self.time_budget is None:
+            check_budget(4.0 if self.budget_bits is None else self.budget_bits, self.choices,
+                         "error")
+        elif self.budget_bits is not None:
+            raise ValueError(f"give one budget: budget_bits={self.budget_bits!r} or "
+                             f"time_budget={self.time_budget!r}, not both")
+        else:
+            check_time_budget(self.time_budget)
         Codec(bucket_size=self.bucket_size)  # validates it
         for name, low in (("every", 1), ("warmup", 0)):
             value = getattr(self, name)
@@ -103,7 +115,7 @@ def update_adaptive_state(state: AdaptiveState, grads, axis_name, config: Adapti
 
 
 def refit_policy(state_or_table, config: AdaptiveConfig, *,
-                 base: LayerPolicy | None = None) -> LayerPolicy:
+                 base: LayerPolicy | None = None, link=None) -> LayerPolicy:
     """A new policy from the error statistics in a ``compressed_allreduce(adaptive=config)``
     state (or an optax chain state holding one, or an ``ErrorTable``).
 
@@ -118,12 +130,15 @@ def refit_policy(state_or_table, config: AdaptiveConfig, *,
       state_or_table: the optimizer state (or an ``ErrorTable``).
       config: the ``AdaptiveConfig`` the transform was built with.
       base: the policy the transform was built with (default ``LayerPolicy()``).
+      link: with ``config.time_budget``, the ``LinkProfile`` (or its path) of the link as
+        last measured: a link that slowed gets fewer bits, one that recovered more.
 
     Returns:
       The fitted ``LayerPolicy``.
 
     Raises:
       TypeError: a state without ``compressed_allreduce(adaptive=...)`` statistics.
+      ValueError: ``config.time_budget`` without ``link``, or ``link`` without it.
 
     Example:
         >>> import cgx_jax as cgx, jax, jax.numpy as jnp, optax
@@ -138,8 +153,9 @@ def refit_policy(state_or_table, config: AdaptiveConfig, *,
     """
     base = LayerPolicy() if base is None else base
     table = _find_table(state_or_table)
-    return fit_policy(table, budget_bits=config.budget_bits, choices=config.choices,
-                      bucket_size=config.bucket_size, base=base)
+    return fit_policy(table, budget_bits=config.budget_bits, time_budget=config.time_budget,
+                      link=link, choices=config.choices, bucket_size=config.bucket_size,
+                      base=base)
 
 
 def _find_table(state) -> ErrorTable:
