@@ -6,7 +6,14 @@ on GPU), moved only by XLA's own collectives. The design, module by module, is
 docs/design.md.
 """
 
-from cgx_jax._src.adaptive import AdaptiveConfig, ErrorTable, fit_policy, layer_errors, refit_policy
+from cgx_jax._src.adaptive import (
+    AdaptiveConfig,
+    ErrorTable,
+    LinkWatch,
+    fit_policy,
+    layer_errors,
+    refit_policy,
+)
 from cgx_jax._src.api import compressed_pmean, compressed_psum, dequantize, quantize
 from cgx_jax._src.backends.ffi import has_cuda_support
 from cgx_jax._src.codec import Codec, packet_bytes, wire_bytes
@@ -33,6 +40,7 @@ __all__ = [
     "ErrorTable",
     "LayerPolicy",
     "LinkProfile",
+    "LinkWatch",
     "ProcessesDisagreeError",
     "compressed_all_gather",
     "compressed_allreduce",

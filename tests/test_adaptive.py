@@ -421,6 +421,64 @@ def test_a_refit_under_a_time_budget_follows_the_link_it_is_given():
         cgx.AdaptiveConfig(time_budget=-1)
 
 
+def synthetic_steps(watch, policy, rates, compute=0.1, noise=0.05, seed=0):
+    """Step times of ``policy`` on a link whose per-byte cost is ``rate`` times the
+    watch's starting one, with up to ``noise`` relative jitter on the whole step."""
+    rng = np.random.default_rng(seed)
+    start = watch.link
+    rate_free = cgx.LinkProfile(**{**start.__dict__, "seconds_per_byte": 0.0,
+                                   "seconds_per_wire_byte": 0.0})
+    latency_part = cgx.estimate(watch.tree, rate_free, policies={"p": policy}).policies[0].seconds
+    byte_part = cgx.estimate(watch.tree, start, policies={"p": policy}).policies[0].seconds \
+        - latency_part
+    return [(compute + latency_part + rate * byte_part) * (1 + rng.uniform(-noise, noise))
+            for rate in rates]
+
+
+def test_the_link_watch_refits_when_the_rate_changes_and_not_for_noise():
+    """1 Gbit/s-like link, then 5x slower, then back: no change flagged while the rate holds
+    (5% jitter), one flagged within a window of each change, the new rate within 10%, and
+    the refit to a time budget gives fewer bits while it is slow."""
+    params = {"w1": jnp.zeros((2048, 2048)), "w2": jnp.zeros((2048, 1024)),
+              "b": jnp.zeros(2048)}  # 4 bits: 3.2 MB, 26 ms at 8 ns per byte
+    link = a_link(per_byte=8e-9, latency=1e-3)
+    policy = cgx.LayerPolicy()
+    watch = cgx.LinkWatch(link, params, tolerance=0.25, window=10)
+    rates = [1.0] * 40 + [5.0] * 40 + [1.0] * 40
+    changes = []
+    for step, seconds in enumerate(synthetic_steps(watch, policy, rates, compute=0.05)):
+        if watch.observe(seconds, policy) and (step + 1) % 10 == 0:
+            changes.append((step, watch.link.seconds_per_wire_byte / link.seconds_per_wire_byte))
+    assert [step for step, _ in changes] == [49, 89], changes  # the first full window after
+    assert abs(changes[0][1] - 5.0) < 0.5 and abs(changes[1][1] - 1.0) < 0.1, changes
+    # What the loop then does: refit to a 90 ms all-reduce on the link as estimated.
+    table = cgx.layer_errors(jax.tree.map(lambda p: jax.random.normal(jax.random.key(0),
+                                                                      p.shape), params))
+    slow = cgx.LinkProfile(**{**link.__dict__, "seconds_per_byte": 5 * link.seconds_per_byte,
+                              "seconds_per_wire_byte": 5 * link.seconds_per_wire_byte})
+    bits = [np.average(table.bits_of(cgx.fit_policy(table, time_budget=0.09, link=profile)),
+                       weights=table.sizes) for profile in (link, slow)]
+    assert bits[1] < bits[0], bits
+
+
+def test_link_watches_fed_the_same_numbers_decide_alike_and_check_arguments():
+    params = {"w": jnp.zeros((1024, 1024))}
+    link, policy = a_link(per_byte=8e-9), cgx.LayerPolicy()
+    watches = [cgx.LinkWatch(link, params, window=5) for _ in range(2)]
+    times = synthetic_steps(watches[0], policy, [1.0] * 5 + [3.0] * 10, seed=3)
+    decisions = [[w.observe(t, policy) for t in times] for w in watches]
+    assert decisions[0] == decisions[1] and any(decisions[0])
+    assert watches[0].link == watches[1].link
+    with pytest.raises(ValueError, match="tolerance must be a number in"):
+        cgx.LinkWatch(link, params, tolerance=1.5)
+    with pytest.raises(ValueError, match="window must be an int >= 3"):
+        cgx.LinkWatch(link, params, window=2)
+    with pytest.raises(TypeError, match="link must be a cgx.LinkProfile"):
+        cgx.LinkWatch("link.json", params)
+    with pytest.raises(ValueError, match="step_seconds must be a finite number > 0"):
+        watches[0].observe(float("nan"), policy)
+
+
 def test_time_budget_arguments_are_checked(tmp_path):
     table = random_table(np.random.default_rng(0), 3, (2, 4, 8))
     link = a_link()

@@ -16,11 +16,12 @@ import cgx_jax as cgx
 # The API. A change here is a change users see: the CHANGELOG says it.
 PUBLIC = [
     "AdaptiveConfig", "Codec", "CompressedAllReduceState", "ErrorTable", "LayerPolicy",
-    "LinkProfile", "ProcessesDisagreeError", "compressed_all_gather", "compressed_allreduce",
-    "compressed_pmean", "compressed_psum", "compressed_psum_scatter", "dequantize", "estimate",
-    "fit_policy", "has_cuda_support", "init_residual", "keep_freed_memory", "layer_errors",
-    "leaf_paths", "local_value_and_grad", "packet_bytes", "quantize", "refit_policy",
-    "shard_state", "state_specs", "summary", "tree_wire_bytes", "value_and_grad", "wire_bytes",
+    "LinkProfile", "LinkWatch", "ProcessesDisagreeError", "compressed_all_gather",
+    "compressed_allreduce", "compressed_pmean", "compressed_psum", "compressed_psum_scatter",
+    "dequantize", "estimate", "fit_policy", "has_cuda_support", "init_residual",
+    "keep_freed_memory", "layer_errors", "leaf_paths", "local_value_and_grad", "packet_bytes",
+    "quantize", "refit_policy", "shard_state", "state_specs", "summary", "tree_wire_bytes",
+    "value_and_grad", "wire_bytes",
 ]
 # Run as programs, not imported by `import cgx_jax`: python -m cgx_jax.launch / .bench.
 PUBLIC_MODULES = {"cgx_jax.launch", "cgx_jax.bench"}
