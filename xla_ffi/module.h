@@ -8,21 +8,35 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/pair.h>
 
-#include <initializer_list>
 #include <utility>
 
 #include "xla/ffi/api/c_api.h"
 
 namespace cgx {
 
-// Each (target name, handler) pair: one target per operation, every output it declares
-// written (validate.h).
-inline nanobind::dict registrations(
-    std::initializer_list<std::pair<const char*, XLA_FFI_Handler*>> handlers) {
-  nanobind::dict targets;
-  for (const auto& [name, handler] : handlers)
-    targets[name] = nanobind::capsule(reinterpret_cast<void*>(handler));
-  return targets;
+// One platform's handler of each target (cgx_jax._src.backends.ffi.TARGETS).
+struct Handlers {
+  XLA_FFI_Handler* quantize;
+  XLA_FFI_Handler* quantize_with_residual;
+  XLA_FFI_Handler* dequantize;
+  XLA_FFI_Handler* reduce_requantize;
+  XLA_FFI_Handler* reduce_requantize_with_sum;
+  XLA_FFI_Handler* reduce_sum;
+};
+
+inline nanobind::dict registrations(const Handlers& h) {
+  const std::pair<const char*, XLA_FFI_Handler*> targets[] = {
+      {"cgx_quantize", h.quantize},
+      {"cgx_quantize_with_residual", h.quantize_with_residual},
+      {"cgx_dequantize", h.dequantize},
+      {"cgx_reduce_requantize", h.reduce_requantize},
+      {"cgx_reduce_requantize_with_sum", h.reduce_requantize_with_sum},
+      {"cgx_reduce_sum", h.reduce_sum},
+  };
+  nanobind::dict out;
+  for (const auto& [name, handler] : targets)
+    out[name] = nanobind::capsule(reinterpret_cast<void*>(handler));
+  return out;
 }
 
 inline std::pair<int, int> ffi_api_version() { return {XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR}; }

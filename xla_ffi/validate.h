@@ -303,4 +303,64 @@ auto reduce_sum_binding() {
       .template Attr<int64_t>("divisor");  // sum *= f32(1 / divisor)
 }
 
+// ---------------------------------------------------------------------------
+// The handler of each target, for a platform whose `Context` (ThreadPool, cudaStream_t) and
+// two implementations are given: quantize_into(ctx, x, seed, skip_row, packets, residual or
+// null, residual count or nullopt, attributes...) and reduce_into(ctx, peers, own,
+// own_index, seed or null, ReduceOutputs, attributes...). Each handler only says which
+// outputs its target has.
+// ---------------------------------------------------------------------------
+
+template <typename Context, auto quantize_into, auto reduce_into>
+struct TargetHandlers {
+  using Error = xla::ffi::Error;
+  using Bytes = xla::ffi::Buffer<xla::ffi::U8>;
+  using Seed = xla::ffi::Buffer<xla::ffi::U32>;
+  using Index = xla::ffi::Buffer<xla::ffi::S32>;
+  using BytesOut = xla::ffi::ResultBuffer<xla::ffi::U8>;
+  using FloatsOut = xla::ffi::ResultBuffer<xla::ffi::F32>;
+
+  static Error Quantize(Context ctx, xla::ffi::AnyBuffer x, Seed seed, Index skip_row,
+                        BytesOut packets, int64_t bits, int64_t bucket_size, bool stochastic,
+                        int64_t n) {
+    return quantize_into(ctx, x, seed, skip_row, packets, nullptr, std::nullopt, bits,
+                         bucket_size, stochastic, n);
+  }
+
+  static Error QuantizeWithResidual(Context ctx, xla::ffi::AnyBuffer x, Seed seed,
+                                    Index skip_row, BytesOut packets, FloatsOut residual,
+                                    int64_t bits, int64_t bucket_size, bool stochastic,
+                                    int64_t n) {
+    return quantize_into(ctx, x, seed, skip_row, packets, residual->typed_data(),
+                         residual->element_count(), bits, bucket_size, stochastic, n);
+  }
+
+  static Error ReduceRequantize(Context ctx, Bytes peers, xla::ffi::AnyBuffer own,
+                                Index own_index, Seed seed, BytesOut packet, int64_t bits,
+                                int64_t bucket_size, bool stochastic, int64_t n,
+                                int64_t offset) {
+    const ReduceOutputs out{packet->typed_data(), packet->element_count()};
+    return reduce_into(ctx, peers, own, own_index, &seed, out, bits, bucket_size, stochastic,
+                       n, offset, 1);
+  }
+
+  static Error ReduceRequantizeWithSum(Context ctx, Bytes peers, xla::ffi::AnyBuffer own,
+                                       Index own_index, Seed seed, BytesOut packet,
+                                       FloatsOut sum, int64_t bits, int64_t bucket_size,
+                                       bool stochastic, int64_t n, int64_t offset) {
+    const ReduceOutputs out{packet->typed_data(), packet->element_count(), sum->typed_data(),
+                            sum->element_count()};
+    return reduce_into(ctx, peers, own, own_index, &seed, out, bits, bucket_size, stochastic,
+                       n, offset, 1);
+  }
+
+  static Error ReduceSum(Context ctx, Bytes peers, xla::ffi::AnyBuffer own, Index own_index,
+                         FloatsOut sum, int64_t bits, int64_t bucket_size, int64_t n,
+                         int64_t offset, int64_t divisor) {
+    const ReduceOutputs out{nullptr, 0, sum->typed_data(), sum->element_count()};
+    return reduce_into(ctx, peers, own, own_index, nullptr, out, bits, bucket_size, false, n,
+                       offset, divisor);
+  }
+};
+
 }  // namespace cgx

@@ -193,22 +193,6 @@ ffi::Error QuantizeInto(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi:
   return ffi::Error::Success();
 }
 
-ffi::Error Quantize(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> seed,
-                    ffi::Buffer<ffi::S32> skip_row, ffi::ResultBuffer<ffi::U8> packets,
-                    int64_t bits, int64_t bucket_size, bool stochastic, int64_t n) {
-  return QuantizeInto(pool, x, seed, skip_row, packets, nullptr, std::nullopt, bits,
-                      bucket_size, stochastic, n);
-}
-
-ffi::Error QuantizeWithResidual(ffi::ThreadPool pool, ffi::AnyBuffer x,
-                                ffi::Buffer<ffi::U32> seed, ffi::Buffer<ffi::S32> skip_row,
-                                ffi::ResultBuffer<ffi::U8> packets,
-                                ffi::ResultBuffer<ffi::F32> residual, int64_t bits,
-                                int64_t bucket_size, bool stochastic, int64_t n) {
-  return QuantizeInto(pool, x, seed, skip_row, packets, residual->typed_data(),
-                      residual->element_count(), bits, bucket_size, stochastic, n);
-}
-
 // dequantize: the packets [rows, P] at byte `offset` of each row of packets -> x' [rows, n]
 // (the last row may be short)
 ffi::Error Dequantize(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> packets,
@@ -270,62 +254,30 @@ ffi::Error ReduceInto(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> peers, ffi::Any
   return ffi::Error::Success();
 }
 
-ffi::Error ReduceRequantize(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> peers, ffi::AnyBuffer own,
-                            ffi::Buffer<ffi::S32> own_index, ffi::Buffer<ffi::U32> seed,
-                            ffi::ResultBuffer<ffi::U8> packet, int64_t bits,
-                            int64_t bucket_size, bool stochastic, int64_t n, int64_t offset) {
-  const ReduceOutputs out{packet->typed_data(), packet->element_count()};
-  return ReduceInto(pool, peers, own, own_index, &seed, out, bits, bucket_size, stochastic, n,
-                    offset, 1);
-}
-
-ffi::Error ReduceRequantizeWithSum(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> peers,
-                                   ffi::AnyBuffer own, ffi::Buffer<ffi::S32> own_index,
-                                   ffi::Buffer<ffi::U32> seed, ffi::ResultBuffer<ffi::U8> packet,
-                                   ffi::ResultBuffer<ffi::F32> sum, int64_t bits,
-                                   int64_t bucket_size, bool stochastic, int64_t n,
-                                   int64_t offset) {
-  const ReduceOutputs out{packet->typed_data(), packet->element_count(), sum->typed_data(),
-                          sum->element_count()};
-  return ReduceInto(pool, peers, own, own_index, &seed, out, bits, bucket_size, stochastic, n,
-                    offset, 1);
-}
-
-ffi::Error ReduceSum(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> peers, ffi::AnyBuffer own,
-                     ffi::Buffer<ffi::S32> own_index, ffi::ResultBuffer<ffi::F32> sum,
-                     int64_t bits, int64_t bucket_size, int64_t n, int64_t offset,
-                     int64_t divisor) {
-  const ReduceOutputs out{nullptr, 0, sum->typed_data(), sum->element_count()};
-  return ReduceInto(pool, peers, own, own_index, nullptr, out, bits, bucket_size, false, n,
-                    offset, divisor);
-}
-
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(cgx_quantize_cpu, Quantize, quantize_binding<ffi::ThreadPool>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(cgx_quantize_with_residual_cpu, QuantizeWithResidual,
+using Cpu = TargetHandlers<ffi::ThreadPool, &QuantizeInto, &ReduceInto>;
+XLA_FFI_DEFINE_HANDLER_SYMBOL(cgx_quantize_cpu, Cpu::Quantize,
+                              quantize_binding<ffi::ThreadPool>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(cgx_quantize_with_residual_cpu, Cpu::QuantizeWithResidual,
                               quantize_with_residual_binding<ffi::ThreadPool>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(cgx_dequantize_cpu, Dequantize,
                               dequantize_binding<ffi::ThreadPool>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(cgx_reduce_requantize_cpu, ReduceRequantize,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(cgx_reduce_requantize_cpu, Cpu::ReduceRequantize,
                               reduce_requantize_binding<ffi::ThreadPool>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(cgx_reduce_requantize_with_sum_cpu, ReduceRequantizeWithSum,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(cgx_reduce_requantize_with_sum_cpu, Cpu::ReduceRequantizeWithSum,
                               reduce_requantize_with_sum_binding<ffi::ThreadPool>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(cgx_reduce_sum_cpu, ReduceSum, reduce_sum_binding<ffi::ThreadPool>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(cgx_reduce_sum_cpu, Cpu::ReduceSum,
+                              reduce_sum_binding<ffi::ThreadPool>());
 
 }  // namespace cgx
 
 NB_MODULE(_cgx_cpu, m) {
   cgx::define_common(m);
   m.def("registrations", []() {
-    return cgx::registrations({
-        {"cgx_quantize", cgx::cgx_quantize_cpu},
-        {"cgx_quantize_with_residual", cgx::cgx_quantize_with_residual_cpu},
-        {"cgx_dequantize", cgx::cgx_dequantize_cpu},
-        {"cgx_reduce_requantize", cgx::cgx_reduce_requantize_cpu},
-        {"cgx_reduce_requantize_with_sum", cgx::cgx_reduce_requantize_with_sum_cpu},
-        {"cgx_reduce_sum", cgx::cgx_reduce_sum_cpu},
-    });
+    return cgx::registrations({cgx::cgx_quantize_cpu, cgx::cgx_quantize_with_residual_cpu,
+                               cgx::cgx_dequantize_cpu, cgx::cgx_reduce_requantize_cpu,
+                               cgx::cgx_reduce_requantize_with_sum_cpu, cgx::cgx_reduce_sum_cpu});
   });
   m.def("cpu_isa", []() { return std::string(cgx::loops().isa); },
         "The instruction-set variant of the bucket loops this process uses.");

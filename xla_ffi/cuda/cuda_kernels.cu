@@ -694,22 +694,6 @@ ffi::Error QuantizeInto(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::
   return launch_status("quantize");
 }
 
-ffi::Error Quantize(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> seed,
-                    ffi::Buffer<ffi::S32> skip_row, ffi::ResultBuffer<ffi::U8> packets,
-                    int64_t bits, int64_t bucket_size, bool stochastic, int64_t n) {
-  return QuantizeInto(stream, x, seed, skip_row, packets, nullptr, std::nullopt, bits,
-                      bucket_size, stochastic, n);
-}
-
-ffi::Error QuantizeWithResidual(cudaStream_t stream, ffi::AnyBuffer x,
-                                ffi::Buffer<ffi::U32> seed, ffi::Buffer<ffi::S32> skip_row,
-                                ffi::ResultBuffer<ffi::U8> packets,
-                                ffi::ResultBuffer<ffi::F32> residual, int64_t bits,
-                                int64_t bucket_size, bool stochastic, int64_t n) {
-  return QuantizeInto(stream, x, seed, skip_row, packets, residual->typed_data(),
-                      residual->element_count(), bits, bucket_size, stochastic, n);
-}
-
 ffi::Error Dequantize(cudaStream_t stream, ffi::Buffer<ffi::U8> packets,
                       ffi::Result<ffi::AnyBuffer> x, int64_t bits, int64_t bucket_size,
                       int64_t offset, int64_t n, int64_t divisor) {
@@ -800,53 +784,24 @@ ffi::Error ReduceInto(cudaStream_t stream, ffi::Buffer<ffi::U8> peers, ffi::AnyB
   return launch_status("reduce_requantize");
 }
 
-ffi::Error ReduceRequantize(cudaStream_t stream, ffi::Buffer<ffi::U8> peers, ffi::AnyBuffer own,
-                            ffi::Buffer<ffi::S32> own_index, ffi::Buffer<ffi::U32> seed,
-                            ffi::ResultBuffer<ffi::U8> packet, int64_t bits,
-                            int64_t bucket_size, bool stochastic, int64_t n, int64_t offset) {
-  const ReduceOutputs out{packet->typed_data(), packet->element_count()};
-  return ReduceInto(stream, peers, own, own_index, &seed, out, bits, bucket_size, stochastic,
-                    n, offset, 1);
-}
-
-ffi::Error ReduceRequantizeWithSum(cudaStream_t stream, ffi::Buffer<ffi::U8> peers,
-                                   ffi::AnyBuffer own, ffi::Buffer<ffi::S32> own_index,
-                                   ffi::Buffer<ffi::U32> seed, ffi::ResultBuffer<ffi::U8> packet,
-                                   ffi::ResultBuffer<ffi::F32> sum, int64_t bits,
-                                   int64_t bucket_size, bool stochastic, int64_t n,
-                                   int64_t offset) {
-  const ReduceOutputs out{packet->typed_data(), packet->element_count(), sum->typed_data(),
-                          sum->element_count()};
-  return ReduceInto(stream, peers, own, own_index, &seed, out, bits, bucket_size, stochastic,
-                    n, offset, 1);
-}
-
-ffi::Error ReduceSum(cudaStream_t stream, ffi::Buffer<ffi::U8> peers, ffi::AnyBuffer own,
-                     ffi::Buffer<ffi::S32> own_index, ffi::ResultBuffer<ffi::F32> sum,
-                     int64_t bits, int64_t bucket_size, int64_t n, int64_t offset,
-                     int64_t divisor) {
-  const ReduceOutputs out{nullptr, 0, sum->typed_data(), sum->element_count()};
-  return ReduceInto(stream, peers, own, own_index, nullptr, out, bits, bucket_size, false, n,
-                    offset, divisor);
-}
-
 }  // namespace
 
 using Stream = ffi::PlatformStream<cudaStream_t>;
-XLA_FFI_DEFINE_HANDLER_SYMBOL(cgx_quantize_cuda, Quantize, quantize_binding<Stream>(),
+using Cuda = TargetHandlers<cudaStream_t, &QuantizeInto, &ReduceInto>;
+XLA_FFI_DEFINE_HANDLER_SYMBOL(cgx_quantize_cuda, Cuda::Quantize, quantize_binding<Stream>(),
                               {ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(cgx_quantize_with_residual_cuda, QuantizeWithResidual,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(cgx_quantize_with_residual_cuda, Cuda::QuantizeWithResidual,
                               quantize_with_residual_binding<Stream>(),
                               {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(cgx_dequantize_cuda, Dequantize, dequantize_binding<Stream>(),
                               {ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(cgx_reduce_requantize_cuda, ReduceRequantize,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(cgx_reduce_requantize_cuda, Cuda::ReduceRequantize,
                               reduce_requantize_binding<Stream>(),
                               {ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(cgx_reduce_requantize_with_sum_cuda, ReduceRequantizeWithSum,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(cgx_reduce_requantize_with_sum_cuda, Cuda::ReduceRequantizeWithSum,
                               reduce_requantize_with_sum_binding<Stream>(),
                               {ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(cgx_reduce_sum_cuda, ReduceSum, reduce_sum_binding<Stream>(),
+XLA_FFI_DEFINE_HANDLER_SYMBOL(cgx_reduce_sum_cuda, Cuda::ReduceSum, reduce_sum_binding<Stream>(),
                               {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace cgx
@@ -863,13 +818,8 @@ NB_MODULE(_cgx_cuda, m) {
   }, "(runtime, driver): the CUDA runtime this module was built with and the installed "
      "driver's CUDA version (1000 * major + 10 * minor; driver 0 when none is installed).");
   m.def("registrations", []() {
-    return cgx::registrations({
-        {"cgx_quantize", cgx::cgx_quantize_cuda},
-        {"cgx_quantize_with_residual", cgx::cgx_quantize_with_residual_cuda},
-        {"cgx_dequantize", cgx::cgx_dequantize_cuda},
-        {"cgx_reduce_requantize", cgx::cgx_reduce_requantize_cuda},
-        {"cgx_reduce_requantize_with_sum", cgx::cgx_reduce_requantize_with_sum_cuda},
-        {"cgx_reduce_sum", cgx::cgx_reduce_sum_cuda},
-    });
+    return cgx::registrations({cgx::cgx_quantize_cuda, cgx::cgx_quantize_with_residual_cuda,
+                               cgx::cgx_dequantize_cuda, cgx::cgx_reduce_requantize_cuda,
+                               cgx::cgx_reduce_requantize_with_sum_cuda, cgx::cgx_reduce_sum_cuda});
   });
 }
