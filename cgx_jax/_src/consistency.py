@@ -25,6 +25,7 @@ import functools
 import importlib.metadata
 import itertools
 import json
+import sys
 
 import jax
 
@@ -84,14 +85,19 @@ def check_processes_agree(settings: dict, what: str = "compressed all-reduce") -
         everyone[rank] = json.loads(value)
     differing = describe_differences(everyone)
     if differing:
-        _wait_until_all_have_read(client, f"cgx_jax/processes_agree/{call}/read", me)
-        raise ProcessesDisagreeError(
+        message = (
             f"cgx_jax: the processes disagree on what this {what} sends, so they would "
             f"exchange packets of different sizes (a crash, or garbage). Nothing was sent. "
             f"Differing settings:\n{differing}\nEvery process must run the same cgx_jax "
             f"with the same codec or policy, algorithm and model: look for a setting read "
             f"differently on one host (environment, config file, command line) or a stale "
             f"install.")
+        # Said before the handshake: once process 0, which hosts the key-value store, has
+        # exited, JAX's coordination agent may kill this process before its caller could
+        # print the error it raises.
+        print(f"process {me}: {message}", file=sys.stderr, flush=True)
+        _wait_until_all_have_read(client, f"cgx_jax/processes_agree/{call}/read", me)
+        raise ProcessesDisagreeError(message)
 
 
 def _wait_until_all_have_read(client, prefix: str, me: int) -> None:
