@@ -81,6 +81,13 @@ class LinkProfile:
         return (self.compressed_latency * buffers + self.seconds_per_wire_byte * wire
                 + self.seconds_per_value * values)
 
+    def allreduce_seconds(self, wire: int, values: int, buffers: int, exact_bytes: int) -> float:
+        """A step's compressed all-reduce: ``buffers`` codecs (one fused buffer each)
+        sending ``wire`` bytes for ``values`` values, and one exact ``psum`` of
+        ``exact_bytes``."""
+        return (self.compressed_seconds(wire, values, buffers)
+                + self.exact_seconds(exact_bytes))
+
     @classmethod
     def load(cls, path: str) -> LinkProfile:
         with open(path) as f:
@@ -284,7 +291,6 @@ def estimate(tree, link, *, policies: dict | None = None,
         values = sum(math.prod(leaf.shape) for c, leaf in chosen if c is not None)
         exact_bytes = sum(4 * math.prod(leaf.shape) for c, leaf in chosen if c is None)
         buffers = len({c for c, _ in chosen if c is not None})
-        seconds = (profile.compressed_seconds(wire, values, buffers)
-                   + profile.exact_seconds(exact_bytes))
+        seconds = profile.allreduce_seconds(wire, values, buffers, exact_bytes)
         rows.append(PolicyEstimate(name, wire + exact_bytes, seconds, exact - seconds))
     return Estimate(f32_bytes, exact, tuple(rows), step_seconds, profile)

@@ -44,6 +44,7 @@ from cgx_jax._src.policy import LayerPolicy, check_policy
 from cgx_jax._src.validation import check_choice
 
 DEFAULT_CELLS = 2000
+DEFAULT_BUDGET_BITS = 4  # the size budget when neither budget is given
 OBJECTIVES = ("error", "bytes")
 
 
@@ -179,24 +180,13 @@ def fit_policy(grads_or_table, *, budget_bits: float | None = None,
         table = measure(grads_or_table, check_choices(DEFAULT_CHOICES if choices is None
                                                        else choices),
                         DEFAULT_BUCKET_SIZE if bucket_size is None else bucket_size, base=base)
-    errors, nbytes = table.host_errors(), table.bytes
+    errors = table.host_errors()
     if not np.all(np.isfinite(errors)):
         raise ValueError("the error table holds NaN or infinite errors (non-finite gradients?)")
     if profile is not None:
         chosen = _fit_to_time(table, errors, time_budget, profile, cells)
-    elif objective == "error":
-        budget = check_budget(4.0 if budget_bits is None else budget_bits, table.choices,
-                              objective)
-        per_bucket = META_BYTES_PER_BUCKET + table.bucket_size * budget / 8
-        limit = math.floor(sum(padded_length(n, table.bucket_size) // table.bucket_size
-                               * per_bucket for n in table.sizes) + 1e-9)
-        chosen = _solve(errors, nbytes, limit, cells, nbytes.sum(axis=0) <= limit)
     else:
-        budget = check_budget(4 if budget_bits is None else budget_bits, table.choices,
-                              objective)
-        limit = errors[:, table.choices.index(budget)].sum()
-        chosen = _solve(nbytes.astype(np.float64), errors, limit, cells,
-                        errors.sum(axis=0) <= limit)
+        chosen = _fit_to_size(table, errors, budget_bits, objective, cells)
     rounding = base.default.rounding if base.default is not None else "stochastic"
     fitted = tuple((f"^{re.escape(path)}$",
                     Codec(bits=table.choices[j], bucket_size=table.bucket_size,
@@ -205,6 +195,21 @@ def fit_policy(grads_or_table, *, budget_bits: float | None = None,
     patterns = {p for p, _ in fitted}
     kept = tuple((p, c) for p, c in base.overrides if p not in patterns)
     return dataclasses.replace(base, overrides=fitted + kept)
+
+
+def _fit_to_size(table: ErrorTable, errors, budget_bits, objective: str, cells):
+    """Columns under the size budget: the least error within uniform ``budget_bits``' bytes,
+    or the fewest bytes within its error."""
+    nbytes = table.bytes
+    budget = check_budget(DEFAULT_BUDGET_BITS if budget_bits is None else budget_bits,
+                          table.choices, objective)
+    if objective == "error":
+        per_bucket = META_BYTES_PER_BUCKET + table.bucket_size * budget / 8
+        limit = math.floor(sum(padded_length(n, table.bucket_size) // table.bucket_size
+                               * per_bucket for n in table.sizes) + 1e-9)
+        return _solve(errors, nbytes, limit, cells, nbytes.sum(axis=0) <= limit)
+    limit = errors[:, table.choices.index(budget)].sum()
+    return _solve(nbytes.astype(np.float64), errors, limit, cells, errors.sum(axis=0) <= limit)
 
 
 def _time_budget_link(budget_bits, time_budget, link, objective) -> LinkProfile | None:
@@ -245,8 +250,8 @@ def predicted_seconds(table: ErrorTable, profile: LinkProfile, columns) -> float
     ``columns[i]`` of ``table`` (as ``cgx.estimate`` predicts a policy's)."""
     rows = np.arange(len(table.paths))
     wire = int(table.bytes[rows, list(columns)].sum())
-    return (profile.compressed_seconds(wire, sum(table.sizes), len(set(columns)))
-            + profile.exact_seconds(table.exact_bytes))
+    return profile.allreduce_seconds(wire, sum(table.sizes), len(set(columns)),
+                                     table.exact_bytes)
 
 
 def _fit_to_time(table: ErrorTable, errors, seconds: float, profile: LinkProfile, cells):
@@ -256,9 +261,8 @@ def _fit_to_time(table: ErrorTable, errors, seconds: float, profile: LinkProfile
     columns = len(table.choices)
     if not table.paths:
         return []
-    # What does not depend on the widths: the kernels' per-value time and the exact psum.
-    fixed = (profile.seconds_per_value * sum(table.sizes)
-             + profile.exact_seconds(table.exact_bytes))
+    # What does not depend on the widths: no bytes, no buffer (the kernels, the exact psum).
+    fixed = profile.allreduce_seconds(0, sum(table.sizes), 0, table.exact_bytes)
     most = int(table.bytes.sum())  # more than any assignment sends
     best, best_error = None, np.inf
     for count in range(1, columns + 1):

@@ -13,7 +13,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cgx_jax._src.adaptive.fit import check_budget, check_time_budget, fit_policy
+from cgx_jax._src.adaptive.fit import (
+    DEFAULT_BUDGET_BITS,
+    check_budget,
+    check_time_budget,
+    fit_policy,
+)
 from cgx_jax._src.adaptive.measure import (
     DEFAULT_BUCKET_SIZE,
     DEFAULT_CHOICES,
@@ -64,8 +69,8 @@ class AdaptiveConfig:
     def __post_init__(self):
         object.__setattr__(self, "choices", check_choices(self.choices))
         if self.time_budget is None:
-            check_budget(4.0 if self.budget_bits is None else self.budget_bits, self.choices,
-                         "error")
+            check_budget(DEFAULT_BUDGET_BITS if self.budget_bits is None else self.budget_bits,
+                         self.choices, "error")
         elif self.budget_bits is not None:
             raise ValueError(f"give one budget: budget_bits={self.budget_bits!r} or "
                              f"time_budget={self.time_budget!r}, not both")

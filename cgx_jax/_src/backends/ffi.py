@@ -248,5 +248,4 @@ def reduce_sum(peers, own, own_index, codec: Codec, n: int, *, offset: int = 0,
     total = jax.ShapeDtypeStruct((n if size is None else size,), jnp.float32)
     call = jax.ffi.ffi_call("cgx_reduce_sum", total, vmap_method="sequential")
     return call(peers, _own_operand(own), jnp.asarray(own_index, jnp.int32), n=np.int64(n),
-                offset=np.int64(offset), divisor=np.int64(divisor),
-                bits=np.int64(codec.bits), bucket_size=np.int64(codec.bucket_size))
+                offset=np.int64(offset), divisor=np.int64(divisor), **_codec_attrs(codec))
