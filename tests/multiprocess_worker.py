@@ -125,7 +125,9 @@ def gspmd_gradients(mesh):
 
 
 LARGE_LENGTH = 1 << 24  # 32 MiB inner pieces: where XLA:CPU's Gloo reduce-scatter fails
-LARGE_CALLS = 6  # it fails intermittently (jax-ml/jax#40830), so call it several times
+# Two calls with new keys: that XLA's reduce-scatter, which fails intermittently there
+# (jax-ml/jax#40830), is not in the program is test_collectives_transport.py's HLO check.
+LARGE_CALLS = 2
 
 
 def compute_large(mesh):

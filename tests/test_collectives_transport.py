@@ -18,7 +18,12 @@ from jax.sharding import PartitionSpec as P
 
 import cgx_jax as cgx
 from cgx_jax._src.collectives import jax_compat
-from cgx_jax._src.collectives.transport import SWAP_PIECE_BYTES, exchange_rows, gather_packets
+from cgx_jax._src.collectives.transport import (
+    SWAP_PIECE_BYTES,
+    exact_reduce_scatter,
+    exchange_rows,
+    gather_packets,
+)
 
 
 @pytest.mark.parametrize("num_devices", [1, 2, 3, 4, 8])
@@ -97,6 +102,34 @@ def test_one_process_keeps_the_plain_collectives():
     assert count(exchange(in_rounds=True), rows)["collective-permute"] == 2
     assert count(gather(), packets)["all-gather"] == 1
     assert count(gather(in_pieces=True), packets)["all-gather"] == 2
+
+
+def test_the_hierarchical_reduction_on_cpu_has_no_xla_reduce_scatter():
+    """XLA:CPU's multi-process reduce-scatter intermittently returns wrong values for
+    multi-MiB pieces (jax-ml/jax#40830), so on CPU the inner stage of the hierarchical
+    reduction is a psum and a slice (transport.exact_reduce_scatter): its compiled program
+    holds no reduce-scatter, and the stage equals lax.psum_scatter. (test_multiprocess.py
+    runs it across processes on 32 MiB pieces, bitwise against one process.)"""
+    mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")[:8]).reshape(4, 2), ("outer", "inner"))
+    spec = P(("outer", "inner"))
+    codec = cgx.Codec(bits=4, bucket_size=512)
+
+    def hierarchical(x):
+        return cgx.compressed_psum(x[0], "outer", inner_axis_name="inner", codec=codec,
+                                   key=jax.random.key(0))[None]
+
+    def stage(fn):
+        return jax.jit(jax.shard_map(lambda x: fn(x[0])[None], mesh=mesh, in_specs=spec,
+                                     out_specs=spec))
+
+    x = np.random.default_rng(3).normal(size=(8, 1 << 16)).astype(np.float32)
+    hlo = jax.jit(jax.shard_map(hierarchical, mesh=mesh, in_specs=spec, out_specs=spec)
+                  ).lower(x).compile().as_text()
+    assert " all-reduce(" in hlo and " reduce-scatter(" not in hlo
+    ours = stage(lambda v: exact_reduce_scatter(v, "inner"))
+    theirs = stage(lambda v: lax.psum_scatter(v, "inner", scatter_dimension=0, tiled=True))
+    assert " reduce-scatter(" not in ours.lower(x).compile().as_text()
+    np.testing.assert_array_equal(np.asarray(ours(x)), np.asarray(theirs(x)))
 
 
 def test_psum_fallback_gather_for_older_jax_gives_the_same_bits_and_grads(monkeypatch):

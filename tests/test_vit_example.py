@@ -108,7 +108,7 @@ def test_adaptive_mode_refits_the_policy_once(monkeypatch):
 # ---------------------------------------------------------------------------
 
 TRAIN = os.path.join(EXAMPLE_DIR, "train.py")
-RESTART_STEPS, CHECKPOINT_EVERY = 90, 30
+RESTART_STEPS, CHECKPOINT_EVERY = 45, 15
 
 
 def _launch_training(checkpoints):
@@ -176,8 +176,8 @@ def _finished_steps(folder) -> list[int]:
 @pytest.mark.starts_processes
 def test_a_killed_rank_restarts_and_resumes_bit_for_bit(tmp_path):
     """Two processes of two devices train with 4-bit error feedback under --max-restarts 1,
-    checkpointing every 50 steps. Once the checkpoint of step 100 exists both ranks are
-    frozen (SIGSTOP), the newest checkpoint is moved aside as the reference, and rank 1 is
+    checkpointing every CHECKPOINT_EVERY steps. Once the second checkpoint exists both ranks
+    are frozen (SIGSTOP), the newest checkpoint is moved aside as the reference, and rank 1 is
     killed (SIGKILL). Both ranks start again, resume from the checkpoint before it, and
     write that step again: bitwise the reference that the uninterrupted ranks wrote
     (parameters, optimizer state with every device's residual and the noise key, the data's
