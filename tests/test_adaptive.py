@@ -3,6 +3,7 @@ section 7): layer_errors measures the real codec, the fit_policy dynamic program
 against brute force, the fit on a ViT-like block's gradients, adaptive training with refits
 on 8 devices, and bad arguments."""
 
+import dataclasses
 import itertools
 
 import jax
@@ -447,7 +448,7 @@ def test_the_link_watch_refits_when_the_rate_changes_and_not_for_noise():
     rates = [1.0] * 40 + [5.0] * 40 + [1.0] * 40
     changes = []
     for step, seconds in enumerate(synthetic_steps(watch, policy, rates, compute=0.05)):
-        if watch.observe(seconds, policy) and (step + 1) % 10 == 0:
+        if watch.observe(seconds, policy):  # True once per window that moved the rate
             changes.append((step, watch.link.seconds_per_wire_byte / link.seconds_per_wire_byte))
     assert [step for step, _ in changes] == [49, 89], changes  # the first full window after
     assert abs(changes[0][1] - 5.0) < 0.5 and abs(changes[1][1] - 1.0) < 0.1, changes
@@ -459,6 +460,54 @@ def test_the_link_watch_refits_when_the_rate_changes_and_not_for_noise():
     bits = [np.average(table.bits_of(cgx.fit_policy(table, time_budget=0.09, link=profile)),
                        weights=table.sizes) for profile in (link, slow)]
     assert bits[1] < bits[0], bits
+
+
+def test_steps_faster_than_the_calibration_are_no_estimate_or_a_recovery():
+    """Steps that come out faster than the calibrated compute (the first window ran slow,
+    as a first run often does) leave no time for the all-reduce: on the profiled link that
+    is no measurement of the rate, not a free link (which would refit to the widest
+    codecs); after a slowdown it says the link recovered, back to the profile's rate."""
+    params = {"w": jnp.zeros((1024, 1024))}
+    link, policy = a_link(per_byte=8e-9), cgx.LayerPolicy()
+    watch = cgx.LinkWatch(link, params, window=5)
+    times = synthetic_steps(watch, policy, [1.0] * 5, compute=0.2, seed=1)
+    times += synthetic_steps(watch, policy, [1.0] * 10, compute=0.1, seed=2)
+    assert not any(watch.observe(t, policy) for t in times)
+    assert watch.link == link and not watch.changed
+
+    watch = cgx.LinkWatch(link, params, window=5)
+    times = synthetic_steps(watch, policy, [1.0] * 5 + [5.0] * 5, compute=0.2, seed=3)
+    times += synthetic_steps(watch, policy, [1.0] * 5, compute=0.1, seed=4)
+    assert [step for step, t in enumerate(times) if watch.observe(t, policy)] == [9, 14]
+    assert watch.link == dataclasses.replace(link, description=watch.link.description)
+
+
+def test_probes_re_estimate_the_rate_against_the_profile(cpu_devices):
+    """Timed exact psums of 1 MB: a 5x slower link is seen at the first probe and a
+    recovery at the first probe after it; 10% and 5% jitter are not; the estimate is the
+    probe's rate over the profile's, whatever the estimate before."""
+    params = {"w": jnp.zeros((1024, 1024))}
+    link = a_link(per_byte=8e-9, latency=1e-3)
+    watch = cgx.LinkWatch(link, params, tolerance=0.25)
+    rates = [1.0, 1.1, 0.95, 5.0, 5.2, 4.9, 1.0, 1.05]
+    rng = np.random.default_rng(0)
+    probes = [(1e-3 + 8e-9 * 1e6 * rate) * (1 + rng.uniform(-0.05, 0.05)) for rate in rates]
+    flagged = [i for i, seconds in enumerate(probes) if watch.observe_probe(seconds, 10**6)]
+    assert flagged == [3, 6], flagged
+    assert watch.link.seconds_per_wire_byte / link.seconds_per_wire_byte == pytest.approx(
+        (probes[6] - 1e-3) / 8e-3)
+    assert not watch.observe_probe(5e-4, 10**6)  # faster than the latency: no news
+    with pytest.raises(ValueError, match="seconds must be a finite number > 0"):
+        watch.observe_probe(0.0, 10**6)
+    with pytest.raises(ValueError, match="nbytes must be an int >= 1, got 0"):
+        watch.observe_probe(1.0, 0)
+    # probe() runs a real psum: on a profile claiming 1e-15 s per byte any time is slower.
+    fast = cgx.LinkProfile(processes=4, exact_latency=0.0, seconds_per_byte=1e-15,
+                           compressed_latency=0.0, seconds_per_wire_byte=1e-15,
+                           seconds_per_value=0.0)
+    watch = cgx.LinkWatch(fast, params)
+    mesh = jax.make_mesh((4,), ("d",), devices=cpu_devices[:4])
+    assert watch.probe(mesh, "d", values=4096) and watch.link.seconds_per_wire_byte > 1e-12
 
 
 def test_link_watches_fed_the_same_numbers_decide_alike_and_check_arguments():

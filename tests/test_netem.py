@@ -1,7 +1,8 @@
 """netem.py: a shaped network of namespaces (netem.Network) is built as described (a tbf qdisc
 at the link rate, hosts files), carries TCP traffic from one namespace to another through the
-bridge, cannot be created twice, and is removed without problems afterwards (docs/design.md
-section 9). Needs root for network namespaces and skips elsewhere. parse_rate is tested with
+bridge, takes a new rate while it runs (set_rate), cannot be created twice, and is removed
+without problems afterwards (docs/design.md section 9). Needs root for network namespaces
+and skips elsewhere. parse_rate is tested with
 the benchmark's arguments in test_bench_allreduce.py; the launcher's and the benchmark's
 shaped runs in test_launch.py and test_bench_allreduce.py."""
 
@@ -48,6 +49,15 @@ def test_network_is_built_carries_traffic_and_is_removed():
         finally:
             server.kill()
             server.wait()
+        # A link that slows: both ends of every veth pair take the new rate.
+        netem.set_rate(NETNS_PREFIX, 2, "20mbit")
+        for ns in (f"{NETNS_PREFIX}0", f"{NETNS_PREFIX}1", f"{NETNS_PREFIX}hub"):
+            qdisc = subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "show"],
+                                   capture_output=True, text=True).stdout
+            assert qdisc.count("rate 20Mbit") == (2 if ns.endswith("hub") else 1), qdisc
+            assert "100Mbit" not in qdisc, qdisc
+        with pytest.raises(ValueError, match="needs a rate such as 200mbit, got 'none'"):
+            netem.set_rate(NETNS_PREFIX, 2, "none")
         with pytest.raises(RuntimeError, match="exist already"):
             netem.Network(2, 1e8, "100mbit", subnet=NETNS_SUBNET, prefix=NETNS_PREFIX).create()
     finally:

@@ -68,10 +68,7 @@ class Network:
                 "sh", *command]
 
     def _tbf(self, dev: str, ns: str) -> None:
-        # Burst: at least one timer tick of traffic at 250 Hz, and no less than 32 KiB.
-        burst = max(int(self.rate_bps / 8 / 250), 32 * 1024)
-        _ip("tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", self.rate_text,
-            "burst", str(burst), "latency", "100ms", ns=ns)
+        _ip("tc", "qdisc", "add", "dev", dev, "root", *_tbf_args(self.rate_text), ns=ns)
 
     def create(self) -> None:
         existing = namespaces(self.prefix)
@@ -99,7 +96,7 @@ class Network:
                 f.write(f"127.0.0.1 localhost\n{self.address(rank)} {hostname}\n")
             _ip("ip", "netns", "add", ns)
             self.namespaces.append(ns)
-            inner, outer = f"cgxv{rank}", f"cgxp{rank}"
+            inner, outer = veth_names(rank)
             # Both ends are created directly inside their namespaces: nothing appears in
             # the host's own namespace.
             _ip("ip", "link", "add", inner, "netns", ns, "type", "veth",
@@ -133,6 +130,32 @@ class Network:
                 pass
             self.made_etc_netns = False
         return problems
+
+
+def veth_names(rank: int) -> tuple[str, str]:
+    """The veth pair of ``rank``: (the end in its namespace, the end on the hub's bridge)."""
+    return f"cgxv{rank}", f"cgxp{rank}"
+
+
+def _tbf_args(rate_text: str) -> list[str]:
+    """The ``tbf ...`` part of a ``tc qdisc add|change`` at ``rate_text``."""
+    # Burst: at least one timer tick of traffic at 250 Hz, and no less than 32 KiB.
+    burst = max(int(parse_rate(rate_text) / 8 / 250), 32 * 1024)
+    return ["tbf", "rate", rate_text, "burst", str(burst), "latency", "100ms"]
+
+
+def set_rate(prefix: str, num_processes: int, rate_text: str) -> None:
+    """Changes the rate of every link of the running network ``prefix`` (both ends of each
+    process's veth pair) to ``rate_text`` (``"200mbit"``), as a shared link slows or
+    recovers. Root, from any namespace (a process of the run may call it between steps)."""
+    if parse_rate(rate_text) is None:
+        raise ValueError(f"set_rate needs a rate such as 200mbit, got {rate_text!r}")
+    for rank in range(num_processes):
+        inner, outer = veth_names(rank)
+        _ip("tc", "qdisc", "change", "dev", inner, "root", *_tbf_args(rate_text),
+            ns=f"{prefix}{rank}")
+        _ip("tc", "qdisc", "change", "dev", outer, "root", *_tbf_args(rate_text),
+            ns=f"{prefix}hub")
 
 
 @contextlib.contextmanager

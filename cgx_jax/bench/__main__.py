@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-USAGE = """usage: python -m cgx_jax.bench {kernels,allreduce,compile,link,train} [options]
+USAGE = """usage: python -m cgx_jax.bench {kernels,allreduce,compile,link,train,adapt} [options]
 
   kernels     quantize / dequantize / reduce_requantize throughput against a copy
   allreduce   psum vs bf16 psum vs compressed_psum across N processes on an emulated
@@ -14,6 +14,8 @@ USAGE = """usage: python -m cgx_jax.bench {kernels,allreduce,compile,link,train}
               of a few sizes across N processes), fitted and written for cgx.estimate
   train       data-parallel training steps (exact pmean vs cgx) across N processes on an
               emulated link: s/step, the no-all-reduce floor, wire bytes, loss
+  adapt       training while the link's rate changes (1gbit, 200mbit, 1gbit): exact, 4 bits
+              and bits refitted to a step-time budget on the link as measured (Kimad)
 
 python -m cgx_jax.bench COMMAND -h shows the options of one."""
 
@@ -36,6 +38,9 @@ def main(argv=None) -> int:
     if command == "train":
         from cgx_jax.bench import train
         return train.main(rest)
+    if command == "adapt":
+        from cgx_jax.bench import adapt
+        return adapt.main(rest)
     if command in ("-h", "--help"):
         print(USAGE)
         return 0

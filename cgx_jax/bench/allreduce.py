@@ -45,6 +45,7 @@ from cgx_jax.bench.common import (
     add_worker_arguments,
     check_network_arguments,
     parse_size,
+    ran_worker_or_report,
     run_links,
     size_label,
 )
@@ -609,15 +610,10 @@ def main(argv=None) -> int:
     parser.add_argument("--torch-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.argv = argv
-    if args.worker:
-        worker(args)
-        return 0
     if args.torch_worker:
         _torch_worker(args)
         return 0
-    if args.from_json:
-        with open(args.from_json) as f:
-            write_reports(json.load(f), args)
+    if ran_worker_or_report(args, worker, write_reports):
         return 0
     if args.devices_per_process < 1:
         parser.error(f"--devices-per-process must be at least 1, got {args.devices_per_process}")

@@ -115,6 +115,19 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--coordinator", default=None, help=argparse.SUPPRESS)
 
 
+def ran_worker_or_report(args, worker, write_reports) -> bool:
+    """Runs ``worker(args)`` for ``--worker``, or rewrites the reports of an earlier
+    ``--json`` for ``--from-json``; returns whether it did either (then ``main`` is done)."""
+    if args.worker:
+        worker(args)
+        return True
+    if args.from_json:
+        with open(args.from_json) as f:
+            write_reports(json.load(f), args)
+        return True
+    return False
+
+
 def check_network_arguments(parser: argparse.ArgumentParser, args) -> None:
     """``parser.error`` unless ``--processes`` is at least 2 and ``--link``, ``--netns-prefix``
     and ``--subnet`` can build the benchmark's network (``cgx_jax._src.netem.argument_problem``)."""

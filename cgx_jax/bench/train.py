@@ -58,6 +58,7 @@ from cgx_jax.bench.common import (
     add_report_arguments,
     add_worker_arguments,
     check_network_arguments,
+    ran_worker_or_report,
     run_links,
 )
 
@@ -205,7 +206,8 @@ def _model_rows(args, model: str, mesh, rank: int) -> list[dict]:
         x, y = batch
         return optax.softmax_cross_entropy_with_integer_labels(apply(params, x), y).mean()
 
-    batches = _batches(args, mesh, apply, init(jax.random.key(1)), example_shape)
+    batches = synthetic_batches(mesh, apply, init(jax.random.key(1)), example_shape,
+                                batch=args.batch, count=min(args.warmup + args.repeats, 8))
     tx = optax.adam(LEARNING_RATES[model])
     runs = {}  # mode -> its compiled step, current parameters and state, bytes, memory
     for mode in args.modes:
@@ -233,10 +235,11 @@ def _model_rows(args, model: str, mesh, rank: int) -> list[dict]:
     return rows
 
 
-def _batches(args, mesh, apply, teacher, example_shape) -> list:
-    """The same batches in every run (up to 8, cycled): inputs from a seed per (step,
-    participant), labels from the teacher, placed as this process's shards of a global
-    batch."""
+def synthetic_batches(mesh, apply, teacher, example_shape, *, batch: int, count: int,
+                      first: int = 0) -> list:
+    """The same ``count`` batches of ``batch`` examples per participant in every run (the
+    loop cycles them): inputs from a seed per (step, participant), steps ``first`` on,
+    labels from the teacher, placed as this process's shards of a global batch."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -246,16 +249,16 @@ def _batches(args, mesh, apply, teacher, example_shape) -> list:
     local = [d for d in devices if d.process_index == jax.process_index()]
     sharding = NamedSharding(mesh, P(AXIS))
     batches = []
-    for step in range(min(args.warmup + args.repeats, 8)):
+    for step in range(first, first + count):
         xs, ys = [], []
         for device in local:
             rng = np.random.default_rng([step, devices.index(device)])
-            x = rng.standard_normal((args.batch, *example_shape), dtype=np.float32)
+            x = rng.standard_normal((batch, *example_shape), dtype=np.float32)
             y = np.asarray(jnp.argmax(apply(teacher, jnp.asarray(x)), -1), np.int32)
             xs.append(jax.device_put(x, device))
             ys.append(jax.device_put(y, device))
         batches.append(tuple(
-            jax.make_array_from_single_device_arrays((mesh.size * args.batch, *a[0].shape[1:]),
+            jax.make_array_from_single_device_arrays((mesh.size * batch, *a[0].shape[1:]),
                                                      sharding, a) for a in (xs, ys)))
     return batches
 
@@ -494,7 +497,8 @@ def add_ratios(rows: list[dict]) -> list[dict]:
     return rows
 
 
-def _fmt(value, spec):
+def fmt(value, spec):
+    """``value`` formatted, or ``-`` for None."""
     return "-" if value is None else format(value, spec)
 
 
@@ -505,9 +509,9 @@ def format_table(rows: list[dict]) -> str:
     for r in rows:
         lines.append(
             f"{r.get('link', ''):<7} {r['model']:<5} {r['parameters'] / 1e6:>6.1f}M "
-            f"{r['mode']:<14} {r['seconds']:>8.3f} {_fmt(r['floor_seconds'], '7.3f'):>7} "
-            f"{_fmt(r['wire_ratio'], '8.2f'):>9} {_fmt(r['vs_exact'], '7.2f'):>8} "
-            f"{r['loss']:>8.4f} {_fmt(_mib(r), '8.1f'):>8}")
+            f"{r['mode']:<14} {r['seconds']:>8.3f} {fmt(r['floor_seconds'], '7.3f'):>7} "
+            f"{fmt(r['wire_ratio'], '8.2f'):>9} {fmt(r['vs_exact'], '7.2f'):>8} "
+            f"{r['loss']:>8.4f} {fmt(_mib(r), '8.1f'):>8}")
     return "\n".join(lines)
 
 
@@ -521,9 +525,9 @@ def format_markdown(rows: list[dict], title: str) -> str:
              "loss | MiB/device |", "|:---|:---|:---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r.get('link', '')} | {r['model']} ({r['parameters'] / 1e6:.1f}M) "
-                     f"| {r['mode']} | {r['seconds']:.3f} | {_fmt(r['floor_seconds'], '.3f')} "
-                     f"| {_fmt(r['wire_ratio'], '.2f')} | {_fmt(r['vs_exact'], '.2f')} "
-                     f"| {r['loss']:.4f} | {_fmt(_mib(r), '.1f')} |")
+                     f"| {r['mode']} | {r['seconds']:.3f} | {fmt(r['floor_seconds'], '.3f')} "
+                     f"| {fmt(r['wire_ratio'], '.2f')} | {fmt(r['vs_exact'], '.2f')} "
+                     f"| {r['loss']:.4f} | {fmt(_mib(r), '.1f')} |")
     return "\n".join(lines) + "\n"
 
 
@@ -628,12 +632,7 @@ def main(argv=None) -> int:
     add_worker_arguments(p)
     args = p.parse_args(argv)
     args.argv = argv
-    if args.worker:
-        _worker(args)
-        return 0
-    if args.from_json:
-        with open(args.from_json) as f:
-            write_reports(json.load(f), args)
+    if ran_worker_or_report(args, _worker, write_reports):
         return 0
     for name in ("batch", "repeats", "mlp_hidden"):
         if getattr(args, name) < 1:

@@ -9,6 +9,12 @@ rescales the profile's per-byte costs. Latencies and the kernels' per-value cost
 what congestion changes is the rate. When the rate has moved by more than ``tolerance`` the
 watch says so (``changed``), and the loop refits with ``refit_policy(..., link=watch.link)``.
 
+Where the all-reduce is a small part of a noisy step (a fast link, shared CPUs), the step
+times cannot tell a link that recovered from noise: ``probe(mesh, axis_name)`` instead times
+a small exact ``psum`` between two steps (every process at the same step), whose time is
+nearly all bytes on the wire, and re-estimates the rate from it against the profile's exact
+line. It costs a few all-reduces of a megabyte each time it is called.
+
 Every process must refit to the same policy: feed every process's watch the same numbers
 (for example the largest step time across processes, ``jax.experimental.multihost_utils.
 process_allgather``); the processes-agree check of the compressed collectives catches the
@@ -27,14 +33,17 @@ from cgx_jax._src.policy import LayerPolicy, check_policy
 
 
 class LinkWatch:
-    """Re-estimates the link's rate from measured step times and says when it changed.
+    """Re-estimates the link's rate from measured step times (or timed probes) and says
+    when it changed.
 
     Attributes:
       link: the profile as last re-estimated (the starting one until a change is seen).
       tolerance: the relative change of the per-byte cost that counts as a change.
-      window: the steps whose median makes one estimate.
+      window: the steps whose median makes one estimate (``observe``).
       changed: whether the last full window moved the rate by more than ``tolerance``
         (``link`` then holds the new estimate; the next window compares against it).
+      compute_seconds: the step's compute as the first window calibrated it (None before).
+      profile: the starting ``link``.
 
     Args:
       link: the ``LinkProfile`` measured before training (``bench link``).
@@ -54,11 +63,13 @@ class LinkWatch:
         >>> params, policy = {"w": jnp.zeros((2048, 2048))}, cgx.LayerPolicy()
         >>> watch = cgx.LinkWatch(link, params, window=5)
         >>> allreduce = watch.predict(policy)
-        >>> for step in range(15):  # compute 0.1 s; the rate drops 3x after step 9
+        >>> refits = []
+        >>> for step in range(20):  # compute 0.1 s; the rate drops 3x after step 9
         ...     slow = 3 if step >= 10 else 1
-        ...     changed = watch.observe(0.1 + allreduce + (slow - 1) * 0.0167, policy)
-        >>> watch.changed, round(watch.link.seconds_per_wire_byte / link.seconds_per_wire_byte, 1)
-        (True, 3.0)
+        ...     if watch.observe(0.1 + allreduce + (slow - 1) * 0.0167, policy):
+        ...         refits.append(step)  # the loop would refit_policy(..., link=watch.link)
+        >>> refits, round(watch.link.seconds_per_wire_byte / link.seconds_per_wire_byte, 1)
+        ([14], 3.0)
     """
 
     def __init__(self, link: LinkProfile, tree, *, tolerance: float = 0.2, window: int = 20):
@@ -69,12 +80,14 @@ class LinkWatch:
             raise ValueError(f"tolerance must be a number in (0, 1), got {tolerance!r}")
         if isinstance(window, bool) or not isinstance(window, numbers.Integral) or window < 3:
             raise ValueError(f"window must be an int >= 3, got {window!r}")
-        self.link, self.tree = link, tree
+        self.link, self.profile, self.tree = link, link, tree
         self.tolerance, self.window = float(tolerance), int(window)
         self.changed = False
         self.compute_seconds: float | None = None  # calibrated by the first window
         self._pending: list[tuple[float, LayerPolicy]] = []
         self._split_cache: dict = {}
+        self._probes: dict = {}  # (mesh, axis, values) -> the compiled psum and its input
+        self.last_probe_seconds = 0.0
 
     def predict(self, policy: LayerPolicy) -> float:
         """The all-reduce's seconds of ``policy`` on ``link`` (as ``cgx.estimate``)."""
@@ -83,19 +96,21 @@ class LinkWatch:
 
     def observe(self, step_seconds: float, policy: LayerPolicy) -> bool:
         """Adds one step's measured time (host seconds, the same number on every process)
-        run with ``policy``. Returns ``changed``, updated when a window is full."""
+        run with ``policy``. Returns True when this step completed a window that moved the
+        rate by more than ``tolerance`` (``link`` is then the new estimate: refit now),
+        else False."""
         check_policy(policy, "policy")
         if (isinstance(step_seconds, bool) or not isinstance(step_seconds, numbers.Real)
                 or not math.isfinite(step_seconds) or step_seconds <= 0):
             raise ValueError(f"step_seconds must be a finite number > 0, got {step_seconds!r}")
         self._pending.append((float(step_seconds), policy))
         if len(self._pending) < self.window:
-            return self.changed
+            return False
         steps, self._pending = self._pending, []
         if self.compute_seconds is None:  # calibrate: the link is as measured
             self.compute_seconds = statistics.median(
                 seconds - self.predict(p) for seconds, p in steps)
-            return self.changed
+            return False
         # Per step: the scale of the per-byte cost that explains its all-reduce time.
         scales = []
         for seconds, p in steps:
@@ -103,14 +118,88 @@ class LinkWatch:
             if per_byte > 0:
                 scales.append((seconds - self.compute_seconds - fixed) / per_byte)
         scale = statistics.median(scales) if scales else 1.0
+        if scale <= 0:
+            # Steps faster than the calibrated compute and the model allow: the all-reduce
+            # did not show above the noise. No estimate of the rate (not a free link), but
+            # after a slowdown it says the link recovered, at least to the profile's rate.
+            scale = min(1.0, self.profile.seconds_per_wire_byte / self.link.seconds_per_wire_byte)
         self.changed = abs(scale - 1.0) > self.tolerance
         if self.changed:
-            self.link = dataclasses.replace(
-                self.link, seconds_per_byte=self.link.seconds_per_byte * max(scale, 0.0),
-                seconds_per_wire_byte=self.link.seconds_per_wire_byte * max(scale, 0.0),
-                description=f"{self.link.description} (rate x{1 / max(scale, 1e-9):.2f})")
-            self._split_cache.clear()
+            self._rescale(scale)
         return self.changed
+
+    def observe_probe(self, seconds: float, nbytes: int) -> bool:
+        """Re-estimates the rate from one timed exact all-reduce of ``nbytes`` of f32 per
+        participant (``probe`` runs and times one; the same number on every process): its
+        time less the profile's exact latency, over the profile's bytes term. Returns True
+        when that moved the rate by more than ``tolerance`` (``link`` is then the new
+        estimate: refit now), else False. A probe no slower than the latency says nothing."""
+        if (isinstance(seconds, bool) or not isinstance(seconds, numbers.Real)
+                or not math.isfinite(seconds) or seconds <= 0):
+            raise ValueError(f"seconds must be a finite number > 0, got {seconds!r}")
+        if isinstance(nbytes, bool) or not isinstance(nbytes, numbers.Integral) or nbytes < 1:
+            raise ValueError(f"nbytes must be an int >= 1, got {nbytes!r}")
+        profile = self.profile
+        measured = ((seconds - profile.exact_latency) / (profile.seconds_per_byte * nbytes)
+                    if profile.seconds_per_byte > 0 else 0.0)  # the rate over the profile's
+        current = self.link.seconds_per_wire_byte / profile.seconds_per_wire_byte
+        self.changed = measured > 0 and abs(measured / current - 1.0) > self.tolerance
+        if self.changed:
+            self._rescale(measured / current)
+        return self.changed
+
+    def probe(self, mesh, axis_name, *, values: int = 1 << 18, repeats: int = 3) -> bool:
+        """Times ``repeats`` exact ``lax.psum``s of ``values`` f32 per participant over
+        ``axis_name`` of ``mesh`` (between two steps: every process must call it at the
+        same step) and ``observe_probe``s their median, the largest across processes (so
+        every process decides alike). Returns what that returns; ``last_probe_seconds``
+        holds what the call took.
+
+        Example:
+            >>> import jax, cgx_jax as cgx
+            >>> link = cgx.LinkProfile(processes=1, exact_latency=1.0, seconds_per_byte=1e-9,
+            ...                        compressed_latency=1e-3, seconds_per_wire_byte=1e-9,
+            ...                        seconds_per_value=0.0)
+            >>> watch = cgx.LinkWatch(link, {"w": jax.numpy.zeros((64, 64))})
+            >>> mesh = jax.make_mesh((2,), ("d",), devices=jax.devices()[:2])
+            >>> watch.probe(mesh, "d", values=1024)  # faster than the 1 s latency: no news
+            False
+        """
+        import time
+
+        import jax
+        import numpy as np
+        from jax.sharding import NamedSharding, PartitionSpec as P
+
+        key = (mesh, axis_name, values)
+        if key not in self._probes:
+            sharding = NamedSharding(mesh, P(axis_name))
+            psum = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, axis_name), mesh=mesh,
+                                         in_specs=P(axis_name), out_specs=P(axis_name)))
+            x = jax.device_put(np.zeros((mesh.shape[axis_name], values), np.float32), sharding)
+            jax.block_until_ready(psum(x))  # compiled and run once, untimed
+            self._probes[key] = (psum, x)
+        psum, x = self._probes[key]
+        begin, times = time.perf_counter(), []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            jax.block_until_ready(psum(x))
+            times.append(time.perf_counter() - start)
+        seconds = statistics.median(times)
+        if jax.process_count() > 1:  # one number for every process
+            from jax.experimental import multihost_utils
+            seconds = float(np.max(multihost_utils.process_allgather(np.float64(seconds))))
+        self.last_probe_seconds = time.perf_counter() - begin
+        return self.observe_probe(seconds, 4 * values)
+
+    def _rescale(self, scale: float) -> None:
+        """``link`` with its per-byte costs times ``scale``."""
+        rate = self.link.seconds_per_wire_byte * scale / self.profile.seconds_per_wire_byte
+        self.link = dataclasses.replace(
+            self.link, seconds_per_byte=self.link.seconds_per_byte * scale,
+            seconds_per_wire_byte=self.link.seconds_per_wire_byte * scale,
+            description=f"{self.profile.description} (rate x{1 / rate:.2f})")
+        self._split_cache.clear()
 
     def _split(self, policy: LayerPolicy) -> tuple[float, float]:
         """``(seconds that do not scale with the rate, seconds per byte term)`` of
