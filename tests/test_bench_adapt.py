@@ -83,15 +83,15 @@ def run_cli(*args, timeout=400):
 @needs_netns
 @pytest.mark.starts_processes
 def test_the_adaptive_mode_follows_a_link_that_slows(tmp_path):
-    """50 Mbit/s, then 5 Mbit/s: 2 processes, a 134k-parameter MLP, 8 steps a phase, a
-    watch window of 3. The starting profile is a guess at 50 Mbit/s (the watch calibrates
-    the compute on its first window): what counts is that it sees the rate fall."""
+    """50 Mbit/s, then 5 Mbit/s: 2 processes, a 134k-parameter MLP, 6 steps a phase, a
+    probe of the link every 3. The starting profile is a guess at 50 Mbit/s: what counts
+    is that the probes see the rate fall, and only once it fell."""
     profile = tmp_path / "link.json"
     cgx.LinkProfile(processes=2, exact_latency=1e-3, seconds_per_byte=1.6e-7,
                     compressed_latency=2e-3, seconds_per_wire_byte=1.6e-7,
                     seconds_per_value=1e-9).save(str(profile))
     out = tmp_path / "adapt.json"
-    done = run_cli("--processes", "2", "--rates", "50mbit", "5mbit", "--phase-steps", "8",
+    done = run_cli("--processes", "2", "--rates", "50mbit", "5mbit", "--phase-steps", "6",
                    "--window", "3", "--probe-values", "16384", "--modes", "exact", "adaptive",
                    "--mlp-hidden", "128", "--batch", "8", "--profile", str(profile),
                    "--netns-prefix", NETNS_PREFIX, "--subnet", NETNS_SUBNET,
@@ -102,9 +102,9 @@ def test_the_adaptive_mode_follows_a_link_that_slows(tmp_path):
     rows = {(r["phase"], r["mode"]): r for r in result["phases"]}
     assert set(rows) == {(p, m) for p in (1, 2) for m in ("exact", "adaptive")}
     record = result["record"]
-    assert all(len(r["times"]) == len(r["losses"]) == 16 and len(r["tests"]) == 2
+    assert all(len(r["times"]) == len(r["losses"]) == 12 and len(r["tests"]) == 2
                for r in record.values())
-    # Held out: the exact run learned something from the teacher in 16 steps.
+    # Held out: the exact run learned something from the teacher in 12 steps.
     assert rows[2, "exact"]["test_loss"] < rows[1, "exact"]["test_loss"] < 2.31, rows
     assert all(0.1 < r["test_accuracy"] <= 1 for r in rows.values())
     # The rate change took effect: the exact step, 0.5 MB of f32, is far slower.
@@ -112,7 +112,7 @@ def test_the_adaptive_mode_follows_a_link_that_slows(tmp_path):
     # The adaptive mode starts fitted to the budget (4 bits' time on the profile) and
     # refits at the first probe of the slow phase (step 9), not before, to fewer bits.
     refits, bits = record["adaptive"]["refits"], record["adaptive"]["bits"]
-    assert [p["step"] for p in record["adaptive"]["probes"]] == [3, 6, 9, 12, 15]
+    assert [p["step"] for p in record["adaptive"]["probes"]] == [3, 6, 9, 12]
     assert len(refits) == 1 and refits[0]["step"] == 9, refits
     assert refits[0]["mean_bits"] < bits[0] and 3 <= bits[0] <= 5, (refits, bits[0])
     assert bits[refits[0]["step"]] == refits[0]["mean_bits"]  # the next step takes it

@@ -17,7 +17,7 @@ step, so each step of each mode meets the same rate:
   table measured once on the first batch's summed gradient) on the starting profile, and
   refitted whenever the link a ``cgx.LinkWatch`` re-estimates moved by more than
   ``--tolerance``. Every ``--window`` steps the watch probes the link between two steps
-  (``LinkWatch.probe``: three exact psums of ``--probe-values`` f32, the median, the
+  (``LinkWatch.probe``: three exact psums of ``--probe-values`` f32, the fastest, the
   slowest process's, so every process refits to the same policy).
 
 ``--time-budget`` (seconds of the all-reduce) defaults to what uniform 4 bits takes on the
