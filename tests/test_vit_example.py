@@ -117,8 +117,8 @@ def _launch_training(checkpoints):
     command = [sys.executable, "-m", "cgx_jax.launch", "-n", "2", "--devices-per-process", "2",
                "--timeout", "300", "--max-restarts", "1", "--",
                sys.executable, TRAIN, "--tiny", "--steps", str(RESTART_STEPS), "--mode", "cgx",
-               "--error-feedback", "--quiet", "--checkpoint-every", str(CHECKPOINT_EVERY),
-               "--checkpoint-dir", str(checkpoints)]
+               "--error-feedback", "--shift", "1", "--quiet",
+               "--checkpoint-every", str(CHECKPOINT_EVERY), "--checkpoint-dir", str(checkpoints)]
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env)
 
@@ -181,7 +181,7 @@ def test_a_killed_rank_restarts_and_resumes_bit_for_bit(tmp_path):
     killed (SIGKILL). Both ranks start again, resume from the checkpoint before it, and
     write that step again: bitwise the reference that the uninterrupted ranks wrote
     (parameters, optimizer state with every device's residual and the noise key, the data's
-    place and the loss history)."""
+    place, the augmentation's generator (--shift 1) and the loss history)."""
     checkpoints = tmp_path / "run"
     launched = _launch_training(checkpoints)
     try:
