@@ -508,6 +508,10 @@ def test_probes_re_estimate_the_rate_against_the_profile(cpu_devices):
     watch = cgx.LinkWatch(fast, params)
     mesh = jax.make_mesh((4,), ("d",), devices=cpu_devices[:4])
     assert watch.probe(mesh, "d", values=4096) and watch.link.seconds_per_wire_byte > 1e-12
+    with pytest.raises(ValueError, match="axis_name 'x' is not an axis of the mesh"):
+        watch.probe(mesh, "x")
+    with pytest.raises(ValueError, match="repeats must be an int >= 1, got 0"):
+        watch.probe(mesh, "d", repeats=0)
 
 
 def test_link_watches_fed_the_same_numbers_decide_alike_and_check_arguments():

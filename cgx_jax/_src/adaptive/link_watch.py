@@ -44,6 +44,7 @@ class LinkWatch:
         (``link`` then holds the new estimate; the next window compares against it).
       compute_seconds: the step's compute as the first window calibrated it (None before).
       profile: the starting ``link``.
+      last_probe_seconds: how long the last ``probe`` call took (0.0 before).
 
     Args:
       link: the ``LinkProfile`` measured before training (``bench link``).
@@ -52,7 +53,7 @@ class LinkWatch:
       window: an int >= 3.
 
     Raises:
-      ValueError: a bad ``tolerance``, ``window`` or step time.
+      ValueError: a bad ``tolerance``, ``window``, step or probe time, or probe size.
       TypeError: a ``link`` that is not a ``LinkProfile``, or a bad policy.
 
     Example:
@@ -172,6 +173,12 @@ class LinkWatch:
         import numpy as np
         from jax.sharding import NamedSharding, PartitionSpec as P
 
+        for name, value in (("values", values), ("repeats", repeats)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if axis_name not in mesh.axis_names:
+            raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh "
+                             f"{mesh.axis_names}")
         key = (mesh, axis_name, values)
         if key not in self._probes:
             sharding = NamedSharding(mesh, P(axis_name))
