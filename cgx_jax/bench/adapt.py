@@ -181,33 +181,21 @@ class _Run:
             jax.device_put(tx.init(params), NamedSharding(mesh, P())))
 
     def _transform(self, policy):
-        import jax
         import optax
 
         import cgx_jax as cgx
 
-        if policy is None:
-            allreduce = optax.GradientTransformation(
-                lambda params: optax.EmptyState(),
-                lambda updates, state, params=None: (jax.lax.pmean(updates, AXIS), state))
-        else:
-            allreduce = cgx.compressed_allreduce(AXIS, policy=policy)
+        allreduce = (train.pmean_transform(AXIS) if policy is None
+                     else cgx.compressed_allreduce(AXIS, policy=policy))
         return optax.chain(allreduce, optax.adam(train.LEARNING_RATES["mlp"]))
 
     def _error_table(self, batch):
         """The error of each width per leaf on the first batch's summed gradient (the same
         on every process). Measured once: ``compressed_allreduce(adaptive=...)`` would
         measure it every step, which costs more than the all-reduce on these CPUs."""
-        import jax
-        import numpy as np
-        from jax.sharding import PartitionSpec as P
-
         import cgx_jax as cgx
 
-        grad = jax.jit(jax.shard_map(jax.grad(self.loss_fn), mesh=self.mesh,
-                                     in_specs=(P(), P(AXIS)), out_specs=P()))
-        summed = jax.tree.map(lambda g: np.asarray(g.addressable_shards[0].data),
-                              grad(self.params, batch))
+        summed = train.summed_gradient(self.mesh, AXIS, self.loss_fn, self.params, batch)
         return cgx.layer_errors(summed, self.config.choices, self.config.bucket_size)
 
     def _step_for(self, policy, batch):

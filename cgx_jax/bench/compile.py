@@ -32,11 +32,10 @@ def _step(mode, init, apply, example_shape, devices, batch):
     from jax.sharding import Mesh, PartitionSpec as P
 
     import cgx_jax as cgx
+    from cgx_jax.bench.train import pmean_transform
 
     mesh = Mesh(np.array(jax.devices()[:devices]), ("d",))
-    first = (cgx.compressed_allreduce("d") if mode == "cgx" else optax.GradientTransformation(
-        lambda params: optax.EmptyState(),
-        lambda updates, state, params=None: (jax.lax.pmean(updates, "d"), state)))
+    first = cgx.compressed_allreduce("d") if mode == "cgx" else pmean_transform("d")
     tx = optax.chain(first, optax.adam(1e-3))
     params = jax.eval_shape(init, jax.random.key(0))
     state = jax.eval_shape(tx.init, params)

@@ -279,10 +279,8 @@ def _data_parallel_run(mode, mesh, axis, params, loss_fn, tx, batch) -> dict:
     n = mesh.size
     policy = _policy(mode, mesh, axis, params, loss_fn, batch)
     if mode != "floor":
-        allreduce = (optax.GradientTransformation(  # lax.pmean as an Optax transform
-            lambda params: optax.EmptyState(),
-            lambda updates, state, params=None: (jax.lax.pmean(updates, axis), state))
-            if policy is None else cgx.compressed_allreduce(axis, policy=policy))
+        allreduce = (pmean_transform(axis) if policy is None
+                     else cgx.compressed_allreduce(axis, policy=policy))
         tx = optax.chain(allreduce, tx)
     if mode == "floor":  # every participant its own copy, one row each
         param_specs = state_specs = P(axis)
@@ -318,13 +316,32 @@ def _data_parallel_run(mode, mesh, axis, params, loss_fn, tx, batch) -> dict:
                 f32_bytes=f32_bytes)
 
 
+def pmean_transform(axis):
+    """``lax.pmean`` over ``axis`` as an Optax transform: the exact all-reduce baseline."""
+    import jax
+    import optax
+
+    return optax.GradientTransformation(
+        lambda params: optax.EmptyState(),
+        lambda updates, state, params=None: (jax.lax.pmean(updates, axis), state))
+
+
+def summed_gradient(mesh, axis, loss_fn, params, batch):
+    """The gradient of ``loss_fn`` summed over the participants of ``axis`` (replicated
+    ``params``, ``batch`` split over ``axis``), as numpy: the same on every process."""
+    import jax
+    import numpy as np
+    from jax.sharding import PartitionSpec as P
+
+    grad = jax.jit(jax.shard_map(jax.grad(loss_fn), mesh=mesh, in_specs=(P(), P(axis)),
+                                 out_specs=P()))
+    return jax.tree.map(lambda g: np.asarray(g.addressable_shards[0].data), grad(params, batch))
+
+
 def _policy(mode, mesh, axis, params, loss_fn, batch):
     """The codecs of a data-parallel mode: None for ``floor`` and ``exact``; ``adaptive``
     fitted on the summed gradient of the first batch, the same on every process, so every
     process fits the same policy and compiles the same collectives."""
-    import jax
-    import numpy as np
-    from jax.sharding import PartitionSpec as P
 
     import cgx_jax as cgx
 
@@ -334,10 +351,7 @@ def _policy(mode, mesh, axis, params, loss_fn, batch):
         return cgx.LayerPolicy()
     if mode != "adaptive":  # "cgx 4b", "cgx 2b"
         return cgx.LayerPolicy(default=cgx.Codec(bits=int(mode[4])))
-    grad = jax.jit(jax.shard_map(jax.grad(loss_fn), mesh=mesh, in_specs=(P(), P(axis)),
-                                 out_specs=P()))
-    summed = jax.tree.map(lambda g: np.asarray(g.addressable_shards[0].data),
-                          grad(params, batch))
+    summed = summed_gradient(mesh, axis, loss_fn, params, batch)
     return cgx.fit_policy(summed, budget_bits=4.0, base=cgx.LayerPolicy())
 
 
