@@ -8,8 +8,8 @@ The namespace tests need root and skip elsewhere."""
 
 import io
 import os
+import queue
 import re
-import select
 import signal
 import subprocess
 import sys
@@ -232,13 +232,19 @@ def test_processes_die_with_a_launcher_killed_by_sigkill():
     launcher = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
     pids = []
     try:
+        # A thread reads the lines: select() on the pipe misses a line that an earlier
+        # readline() already took into the file's buffer (both ranks' lines in one read).
+        lines = queue.Queue()
+        threading.Thread(target=lambda: [lines.put(line) for line in launcher.stdout],
+                         daemon=True).start()
         deadline = time.monotonic() + 30
         while len(pids) < 2 and time.monotonic() < deadline:
-            ready, _, _ = select.select([launcher.stdout], [], [], 1.0)
-            if ready:
-                line = launcher.stdout.readline()
-                if "pid=" in line:
-                    pids.append(int(line.split("pid=")[1]))
+            try:
+                line = lines.get(timeout=1.0)
+            except queue.Empty:
+                continue
+            if "pid=" in line:
+                pids.append(int(line.split("pid=")[1]))
         assert len(pids) == 2, pids
         launcher.kill()  # SIGKILL: the launcher cannot stop anything itself
         launcher.wait()
