@@ -3,6 +3,8 @@ test modules share. Plain helpers are in helpers.py (meshes, codec comparisons, 
 models.py (the Flax model and training data)."""
 
 import os
+import shutil
+import tempfile
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
@@ -11,6 +13,20 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # Several test workers share a machine's one GPU: JAX's default of taking 75% of its
     # memory per process would leave the second worker none.
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+# One persistent compilation cache for the whole run, new and empty at its start (so a run
+# times what a clean checkout takes): the test workers and the processes the tests start
+# inherit it, and a program that several of them compile (the same training step in both
+# ranks of a launch, or before and after a restart) is compiled once. Most of the suite's
+# time is XLA compiling. The run's first process makes it and removes it at the end; set
+# JAX_COMPILATION_CACHE_DIR to keep one between runs.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _OWN_CACHE = os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(
+        prefix="cgx_jax_tests_xla_cache_")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
+else:
+    _OWN_CACHE = None
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
@@ -21,6 +37,11 @@ def pytest_collection_modifyitems(config, items):
     first: each takes seconds to tens of seconds, and run last they leave one test worker
     busy while the other has nothing left to do."""
     items.sort(key=lambda item: item.get_closest_marker("starts_processes") is None)
+
+
+def pytest_unconfigure(config):
+    if _OWN_CACHE and not os.environ.get("PYTEST_XDIST_WORKER"):
+        shutil.rmtree(_OWN_CACHE, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -94,6 +94,8 @@ def main(argv=None) -> int:
 
     from cgx_jax.bench.common import cpu_description
 
+    # A persistent compilation cache (JAX_COMPILATION_CACHE_DIR) would time its reads.
+    jax.config.update("jax_enable_compilation_cache", False)
     if len(jax.devices()) < args.devices:
         p.error(f"--devices {args.devices}: this process has {len(jax.devices())} devices "
                 f"(run it as its own process, before anything starts JAX's backend)")
