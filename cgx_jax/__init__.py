@@ -6,30 +6,8 @@ on GPU), moved only by XLA's own collectives. The design, module by module, is
 docs/design.md.
 """
 
-from cgx_jax._src.adaptive import (
-    AdaptiveConfig,
-    ErrorTable,
-    LinkWatch,
-    fit_policy,
-    layer_errors,
-    refit_policy,
-)
-from cgx_jax._src.api import compressed_pmean, compressed_psum, dequantize, quantize
-from cgx_jax._src.backends.ffi import has_cuda_support
-from cgx_jax._src.codec import Codec, packet_bytes, wire_bytes
-from cgx_jax._src.consistency import ProcessesDisagreeError
-from cgx_jax._src.data_parallel import init_residual, value_and_grad
-from cgx_jax._src.link_model import LinkProfile, estimate
-from cgx_jax._src.memory import keep_freed_memory
-from cgx_jax._src.optax_transform import (
-    CompressedAllReduceState,
-    compressed_allreduce,
-    shard_state,
-    state_specs,
-)
-from cgx_jax._src.policy import LayerPolicy, leaf_paths, summary, tree_wire_bytes
-from cgx_jax._src.sharded import compressed_all_gather, compressed_psum_scatter
-from cgx_jax._src.vma import local_value_and_grad
+# ruff: noqa: F405 (the names of __all__ come from the star import below, or __getattr__)
+import typing as _typing
 
 __version__ = "0.1.0"
 
@@ -66,3 +44,21 @@ __all__ = [
     "value_and_grad",
     "wire_bytes",
 ]
+
+
+if _typing.TYPE_CHECKING:  # type checkers and IDEs see the names where they are defined
+    from cgx_jax._src.public import *  # noqa: F403
+else:
+
+    def __getattr__(name: str):
+        """Imports the API at its first use, so that ``python -m cgx_jax.launch``, which
+        needs none of it, starts without importing jax."""
+        if name not in __all__:
+            raise AttributeError(f"module 'cgx_jax' has no attribute {name!r}")
+        from cgx_jax._src import public
+
+        globals().update((n, getattr(public, n)) for n in __all__)
+        return globals()[name]
+
+    def __dir__() -> list[str]:
+        return sorted(set(globals()) | set(__all__))

@@ -70,7 +70,7 @@ LAYERS = [
     ["codec"], ["axes"], ["validation"], ["flax_compat"], ["trees"], ["seeds"], ["memory"],
     ["backends"], ["collectives"], ["layouts"], ["vma"], ["fusion"], ["policy"], ["link_model"],
     ["consistency"], ["reduction"], ["api"], ["sharded"], ["fsdp"], ["data_parallel"],
-    ["adaptive"], ["optax_transform"],
+    ["adaptive"], ["optax_transform"], ["public"],
     ["launch", "launch_child", "launch_site", "netem", "ranks", "worker", "supervisor"],
     ["bench"],
 ]

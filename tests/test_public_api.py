@@ -34,11 +34,27 @@ def test_the_api_is_one_list():
 
 
 def test_import_cgx_jax_exposes_the_api_and_nothing_else():
-    script = ("import cgx_jax; print(' '.join(sorted(n for n in vars(cgx_jax) "
-              "if not n.startswith('_'))))")
+    # dir() before any name is used, vars() once one is (the API is imported at first use).
+    script = ("import cgx_jax\n"
+              "public = lambda names: ' '.join(sorted(n for n in names if n[0] != '_'))\n"
+              "print(public(dir(cgx_jax)))\n"
+              "cgx_jax.Codec\n"
+              "print(public(vars(cgx_jax)))")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           timeout=120, check=True)
-    assert done.stdout.split() == sorted(PUBLIC)
+    before, after = done.stdout.splitlines()
+    assert before.split() == after.split() == sorted(PUBLIC)
+    with pytest.raises(AttributeError, match="module 'cgx_jax' has no attribute 'Codecs'"):
+        cgx.Codecs  # noqa: B018
+
+
+def test_the_launcher_starts_without_jax():
+    """``import cgx_jax`` imports the API at its first use, so ``python -m cgx_jax.launch``
+    (which uses none of it) starts in a fraction of a second, without jax's memory."""
+    script = "import sys, cgx_jax.launch; print(sorted({'jax', 'jaxlib'} & set(sys.modules)))"
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120, check=True)
+    assert done.stdout.strip() == "[]"
 
 
 @pytest.mark.parametrize("name", PUBLIC)
