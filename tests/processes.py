@@ -79,11 +79,10 @@ def assert_bitwise_equal(got, want):
 needs_netns = pytest.mark.skipif(not netem.can_shape()[0],
                                  reason=f"network namespaces unavailable: {netem.can_shape()[1]}")
 
-# The namespaces of the netem and benchmark tests: not the benchmark's default prefix, so a
-# benchmark running meanwhile is safe (the launcher tests use a prefix of their own).
-NETNS_PREFIX = "cgxtest"
-NETNS_SUBNET = "10.213.77"
+# Every test that builds network namespaces names its own prefix and subnet (none of them a
+# benchmark's or the launcher's default), so tests that the xdist workers run side by side,
+# and a benchmark running meanwhile, never share one.
 
 
-def own_namespaces():
-    return netem.namespaces(NETNS_PREFIX)
+def own_namespaces(prefix: str) -> set[str]:
+    return netem.namespaces(prefix)

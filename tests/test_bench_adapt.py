@@ -9,10 +9,12 @@ import subprocess
 import sys
 
 import pytest
-from processes import NETNS_PREFIX, NETNS_SUBNET, needs_netns
+from processes import needs_netns
 
 import cgx_jax as cgx
 from cgx_jax.bench import adapt
+
+NETNS_PREFIX, NETNS_SUBNET = "cgxtad", "10.213.83"  # this file's own (tests/processes.py)
 
 
 @pytest.mark.parametrize("args, message", [

@@ -12,7 +12,7 @@ import sys
 import time
 
 import pytest
-from processes import NETNS_PREFIX, NETNS_SUBNET, needs_netns, own_namespaces
+from processes import needs_netns, own_namespaces
 
 from cgx_jax._src import netem
 from cgx_jax.bench import allreduce
@@ -140,28 +140,30 @@ def test_unshaped_run_flat_and_hierarchical(tmp_path):
 
 @needs_netns
 def test_shaped_run_removes_the_network_when_workers_time_out():
+    prefix = "cgxtbt"  # each namespace test its own prefix and subnet (tests/processes.py)
     done = run_cli("--processes", "2", "--link", "100mbit", "--sizes", "4096", "--bits", "4",
                    "--repeats", "1", "--torch", "no", "--timeout", "1",
-                   "--netns-prefix", NETNS_PREFIX, "--subnet", NETNS_SUBNET)
+                   "--netns-prefix", prefix, "--subnet", "10.213.84")
     assert done.returncode == 124, done.stderr[-3000:]
     assert "timed out" in done.stderr
-    assert not own_namespaces()
+    assert not own_namespaces(prefix)
 
 
 @needs_netns
 def test_shaped_run_removes_the_network_on_sigterm():
+    prefix = "cgxtbs"
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)
     process = subprocess.Popen(
         [sys.executable, "-m", "cgx_jax.bench", "allreduce", "--processes", "2", "--link",
          "100mbit", "--sizes", "16M", "--repeats", "50", "--torch", "no", "--netns-prefix",
-         NETNS_PREFIX, "--subnet", NETNS_SUBNET], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+         prefix, "--subnet", "10.213.85"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True, env=env)
     try:
         deadline = time.monotonic() + 60
-        while f"{NETNS_PREFIX}1" not in own_namespaces() and time.monotonic() < deadline:
+        while f"{prefix}1" not in own_namespaces(prefix) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert f"{NETNS_PREFIX}1" in own_namespaces()
+        assert f"{prefix}1" in own_namespaces(prefix)
         time.sleep(1.0)  # the workers are starting inside the namespaces
         process.terminate()
         _, err = process.communicate(timeout=60)
@@ -170,4 +172,4 @@ def test_shaped_run_removes_the_network_on_sigterm():
             process.kill()
     assert process.returncode == 130, err[-3000:]
     assert "interrupted" in err
-    assert not own_namespaces()
+    assert not own_namespaces(prefix)
