@@ -82,7 +82,3 @@ needs_netns = pytest.mark.skipif(not netem.can_shape()[0],
 # Every test that builds network namespaces names its own prefix and subnet (none of them a
 # benchmark's or the launcher's default), so tests that the xdist workers run side by side,
 # and a benchmark running meanwhile, never share one.
-
-
-def own_namespaces(prefix: str) -> set[str]:
-    return netem.namespaces(prefix)

@@ -12,7 +12,7 @@ import sys
 import time
 
 import pytest
-from processes import needs_netns, own_namespaces
+from processes import needs_netns
 
 from cgx_jax._src import netem
 from cgx_jax.bench import allreduce
@@ -146,7 +146,7 @@ def test_shaped_run_removes_the_network_when_workers_time_out():
                    "--netns-prefix", prefix, "--subnet", "10.213.84")
     assert done.returncode == 124, done.stderr[-3000:]
     assert "timed out" in done.stderr
-    assert not own_namespaces(prefix)
+    assert not netem.namespaces(prefix)
 
 
 @needs_netns
@@ -161,9 +161,9 @@ def test_shaped_run_removes_the_network_on_sigterm():
         text=True, env=env)
     try:
         deadline = time.monotonic() + 60
-        while f"{prefix}1" not in own_namespaces(prefix) and time.monotonic() < deadline:
+        while f"{prefix}1" not in netem.namespaces(prefix) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert f"{prefix}1" in own_namespaces(prefix)
+        assert f"{prefix}1" in netem.namespaces(prefix)
         time.sleep(1.0)  # the workers are starting inside the namespaces
         process.terminate()
         _, err = process.communicate(timeout=60)
@@ -172,4 +172,4 @@ def test_shaped_run_removes_the_network_on_sigterm():
             process.kill()
     assert process.returncode == 130, err[-3000:]
     assert "interrupted" in err
-    assert not own_namespaces(prefix)
+    assert not netem.namespaces(prefix)

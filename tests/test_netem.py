@@ -12,7 +12,7 @@ import sys
 import time
 
 import pytest
-from processes import needs_netns, own_namespaces
+from processes import needs_netns
 
 from cgx_jax._src import netem
 
@@ -21,12 +21,12 @@ NETNS_PREFIX, NETNS_SUBNET = "cgxtnm", "10.213.82"  # this test's own (tests/pro
 
 @needs_netns
 def test_network_is_built_carries_traffic_and_is_removed():
-    stale = own_namespaces(NETNS_PREFIX)
+    stale = netem.namespaces(NETNS_PREFIX)
     assert not stale, f"stale namespaces from an earlier run: {stale}"
     network = netem.Network(2, 1e8, "100mbit", subnet=NETNS_SUBNET, prefix=NETNS_PREFIX)
     try:
         network.create()
-        assert own_namespaces(NETNS_PREFIX) == {f"{NETNS_PREFIX}{n}" for n in ("0", "1", "hub")}
+        assert netem.namespaces(NETNS_PREFIX) == {f"{NETNS_PREFIX}{n}" for n in ("0", "1", "hub")}
         qdisc = subprocess.run(["ip", "netns", "exec", f"{NETNS_PREFIX}0", "tc", "qdisc", "show"],
                                capture_output=True, text=True).stdout
         assert "tbf" in qdisc and "100Mbit" in qdisc, qdisc
@@ -66,5 +66,5 @@ def test_network_is_built_carries_traffic_and_is_removed():
     finally:
         problems = network.remove()
     assert problems == []
-    assert not own_namespaces(NETNS_PREFIX)
+    assert not netem.namespaces(NETNS_PREFIX)
     assert not os.path.exists(f"/etc/netns/{NETNS_PREFIX}0")
