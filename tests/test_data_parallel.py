@@ -354,6 +354,33 @@ def test_has_aux_and_several_argnums(cpu_devices):
     assert set(g_params) == {"w1", "b1", "w2"}
 
 
+def test_policy_patterns_match_the_paths_of_the_gradients_as_returned(cpu_devices):
+    """A policy's patterns see the paths that fit_policy, summary and init_residual see
+    (``w2``, not ``0/w2``): an exclusion keeps its leaf exact, and a policy fitted on the
+    returned gradients drives the step and its residual (it failed with "matches no leaf")."""
+    mesh = mesh_1d(cpu_devices)
+    params, x, y = regression()
+    _, want = jax.value_and_grad(mse)(params, x, y)
+    policy = cgx.LayerPolicy(default=CODEC8, min_size=1024, exclude=("^w2$",))
+    _, grads = jax.jit(cgx.value_and_grad(mse, mesh=mesh, axis_name="data", policy=policy))(
+        params, x, y)
+    np.testing.assert_allclose(grads["w2"], want["w2"], rtol=1e-5, atol=1e-8)  # exact psum
+    assert np.abs(np.asarray(grads["w1"]) - want["w1"]).max() > 1e-6  # 8 bits
+    fitted = cgx.fit_policy(want, budget_bits=4.0, bucket_size=256,
+                            base=cgx.LayerPolicy(min_size=1024))
+    assert [path for path, _ in fitted.overrides] == ["^w1$", "^w2$"]
+    grad_fn = cgx.value_and_grad(mse, mesh=mesh, axis_name="data", policy=fitted,
+                                 error_feedback=True)
+    residual = cgx.init_residual(params, mesh=mesh, axis_name="data", policy=grad_fn)
+    _, grads, new_residual = jax.jit(grad_fn)(params, x, y, step=jnp.int32(0),
+                                              residual=residual)
+    assert jax.tree.map(jnp.shape, new_residual) == jax.tree.map(jnp.shape, residual)
+    assert float(jnp.abs(new_residual["w1"]).max()) > 0  # compressed: something was lost
+    for name in ("w1", "w2"):  # within a few 2-6 bit units of the exact mean
+        scale = float(jnp.abs(want[name]).max())
+        assert float(jnp.abs(grads[name] - want[name]).max()) < scale, name
+
+
 def test_a_numpy_scalar_parameter_is_differentiated_like_an_array(cpu_devices):
     """Called eagerly (no jit turning it into an array), a np.float32 leaf of the parameters
     is a parameter as jax.value_and_grad takes it: its gradient comes back, not None."""

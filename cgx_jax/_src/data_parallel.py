@@ -306,7 +306,10 @@ class _Call:
                 if i in positions:
                     params.append(flat_args[i])
         params = tuple(params)
-        paths = leaf_paths(params[0] if len(params) == 1 else params)
+        # The paths a policy's patterns see: those of the gradients as returned (one
+        # argnum: its tree, as fit_policy and summary see it; several: the tuple's).
+        returned = params[0] if len(params) == 1 else params
+        paths = leaf_paths(returned)
         visible = _visible_specs(params)
         if specs is not None:
             leaf_specs = _leaf_specs(params, specs)
@@ -324,8 +327,8 @@ class _Call:
                              for j, (path, _) in enumerate(flat) if first + j in fsdp}
             first += len(flat)
         return cls(graphs=graphs, static=static, key=key, paths=paths, specs=leaf_specs,
-                   codecs=settings["policy"].resolve_leaves(params),
-                   weight_codecs=settings["weight_policy"].resolve_leaves(params),
+                   codecs=settings["policy"].resolve_leaves(returned),
+                   weight_codecs=settings["weight_policy"].resolve_leaves(returned),
                    fsdp=fsdp, fsdp_paths=fsdp_paths, **settings), flat_args
 
     def loss(self, *array_args):

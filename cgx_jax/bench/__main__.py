@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import sys
 
-USAGE = """usage: python -m cgx_jax.bench {kernels,allreduce,compile,link,train,adapt} [options]
+USAGE = """usage: python -m cgx_jax.bench COMMAND [options]
+
+COMMAND is one of:
 
   kernels     quantize / dequantize / reduce_requantize throughput against a copy
   allreduce   psum vs bf16 psum vs compressed_psum across N processes on an emulated
@@ -16,6 +18,9 @@ USAGE = """usage: python -m cgx_jax.bench {kernels,allreduce,compile,link,train,
               emulated link: s/step, the no-all-reduce floor, wire bytes, loss
   adapt       training while the link's rate changes (1gbit, 200mbit, 1gbit): exact, 4 bits
               and bits refitted to a step-time budget on the link as measured (Kimad)
+  converge    held-out loss at equal steps on real text (the standard library's sources):
+              exact vs defaults vs error feedback vs adaptive bits, and the time each
+              takes to reach the exact run's final loss at a measured link
 
 python -m cgx_jax.bench COMMAND -h shows the options of one."""
 
@@ -41,6 +46,9 @@ def main(argv=None) -> int:
     if command == "adapt":
         from cgx_jax.bench import adapt
         return adapt.main(rest)
+    if command == "converge":
+        from cgx_jax.bench import converge
+        return converge.main(rest)
     if command in ("-h", "--help"):
         print(USAGE)
         return 0

@@ -104,12 +104,14 @@ def mlp_apply(params, x):
 VIT = dict(patch=4, width=512, depth=6, mlp=2048, heads=8, image=32, channels=3)
 
 
-def vit_init(key, width=VIT["width"], depth=VIT["depth"], mlp=VIT["mlp"]):
-    """Params of a ViT with pre-norm blocks (attention + MLP), a class token and a head."""
+def vit_init(key, width=VIT["width"], depth=VIT["depth"], mlp=VIT["mlp"], *,
+             image=VIT["image"], channels=VIT["channels"], patch=VIT["patch"], classes=10):
+    """Params of a ViT with pre-norm blocks (attention + MLP), a class token and a head, for
+    ``image x image x channels`` inputs cut into ``patch x patch`` patches."""
     import jax
     import jax.numpy as jnp
 
-    patches = (VIT["image"] // VIT["patch"]) ** 2
+    patches = (image // patch) ** 2
     keys = iter(jax.random.split(key, 4 + 4 * depth))
 
     def dense(fan_in, fan_out):
@@ -119,9 +121,9 @@ def vit_init(key, width=VIT["width"], depth=VIT["depth"], mlp=VIT["mlp"]):
     def norm():
         return {"scale": jnp.ones((width,)), "bias": jnp.zeros((width,))}
 
-    params = {"embed": dense(VIT["patch"] ** 2 * VIT["channels"], width),
+    params = {"embed": dense(patch ** 2 * channels, width),
               "position": 0.02 * jax.random.normal(next(keys), (patches + 1, width)),
-              "cls": jnp.zeros((1, width)), "norm": norm(), "head": dense(width, 10)}
+              "cls": jnp.zeros((1, width)), "norm": norm(), "head": dense(width, classes)}
     for i in range(depth):
         params[f"block{i}"] = {"norm1": norm(), "qkv": dense(width, 3 * width),
                                "out": dense(width, width), "norm2": norm(),
@@ -129,7 +131,9 @@ def vit_init(key, width=VIT["width"], depth=VIT["depth"], mlp=VIT["mlp"]):
     return params
 
 
-def vit_apply(params, images):
+def vit_apply(params, images, heads=VIT["heads"]):
+    """The logits of ``images`` ``(batch, height, width, channels)``; the patch size is read
+    from the embedding's shape."""
     import jax
     import jax.numpy as jnp
 
@@ -141,9 +145,10 @@ def vit_apply(params, images):
     def dense(p, x):
         return x @ p["kernel"] + p["bias"]
 
-    b, patch, heads = images.shape[0], VIT["patch"], VIT["heads"]
-    side = VIT["image"] // patch
-    x = images.reshape(b, side, patch, side, patch, VIT["channels"])
+    b, _, _, channels = images.shape
+    patch = round((params["embed"]["kernel"].shape[0] // channels) ** 0.5)
+    side = images.shape[1] // patch
+    x = images.reshape(b, side, patch, side, patch, channels)
     x = x.transpose(0, 1, 3, 2, 4, 5).reshape(b, side * side, -1)
     x = dense(params["embed"], x)
     x = jnp.concatenate([jnp.broadcast_to(params["cls"], (b, 1, x.shape[-1])), x], axis=1)
