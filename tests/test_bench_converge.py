@@ -110,6 +110,21 @@ def test_summary_rows_measure_against_the_exact_runs_final_loss():
     assert converge.summarise(result)[1]["step_seconds"] is None  # no profile, no seconds
 
 
+def test_each_variant_changes_one_thing_of_the_defaults():
+    params = text_lm.init(jax.random.key(0), text_lm.LMConfig())
+    task = converge.Task(params, None, None, (), None, [])
+    policies = converge._policies(list(converge.VARIANTS), mesh=None, task=task)
+    default = cgx.LayerPolicy().resolve(params)
+    resolved = {mode: policy.resolve(params) for mode, policy in policies.items()}
+    assert default["embed"] == default["out"] == cgx.Codec()  # both compressed by default
+    assert resolved["cgx exact embed"]["embed"] is None
+    assert resolved["cgx exact embed"]["out"] == cgx.Codec()
+    assert resolved["cgx 8b"]["embed"] == resolved["cgx 8b"]["out"] == cgx.Codec(bits=8)
+    assert resolved["cgx bucket 128"]["block0"]["up"] == cgx.Codec(bucket_size=128)
+    for mode in policies:  # the small leaves stay exact
+        assert resolved[mode]["block0"]["norm1"] is None and resolved[mode]["norm"] is None
+
+
 @pytest.mark.parametrize("args, message", [
     (["--steps", "10", "--warmup", "10"], "--warmup must be at least 0 and less than --steps"),
     (["--batch", "30", "--participants", "4"], "--batch 30 must divide by --participants 4"),

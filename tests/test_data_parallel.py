@@ -336,6 +336,83 @@ def test_a_constraint_naming_the_data_axis_gets_a_cgx_error(cpu_devices):
         nnx.jit(lambda m, x, y: grad_fn(m, x, y, step=jnp.int32(0)))(model, x, y)
 
 
+@pytest.mark.parametrize("annotate, words", [
+    (lambda x, w: jnp.einsum("bd,de->be", x, w, out_sharding=P("data", None)),
+     "an out_sharding= of jnp.einsum in the loss names 'data' (P('data', None))"),
+    (lambda x, w: jnp.dot(x, w, out_sharding=P("data", None)), "an out_sharding= of a matmul"),
+    (lambda x, w: jax.sharding.reshard(x @ w, P("data", None)), "a jax.sharding.reshard"),
+    (lambda x, w: jax.lax.with_sharding_constraint(x @ w, P("data", None)),
+     "a jax.lax.with_sharding_constraint"),
+], ids=["einsum", "dot", "reshard", "constraint"])
+def test_each_annotation_naming_the_data_axis_gets_a_cgx_error(cpu_devices, annotate, words):
+    """Explicit axes (the Training Cookbook's model): the loss runs under jax.value_and_grad;
+    under cgx.value_and_grad its annotations of the data axis get cgx's words and the fix."""
+    mesh = mesh_1d(cpu_devices, (AxisType.Explicit,))
+    loss = lambda w, x: jnp.mean(annotate(x, w) ** 2)  # noqa: E731
+    with jax.set_mesh(mesh):
+        w = jax.device_put(jnp.ones((128, 64)), P())
+        x = jax.device_put(jnp.ones((16, 128)), P("data", None))
+        jax.jit(jax.value_and_grad(loss))(w, x)
+        with pytest.raises(ValueError) as info:
+            jax.jit(cgx.value_and_grad(loss, axis_name="data"))(w, x, step=jnp.int32(0))
+    message = str(info.value)
+    assert message.startswith("cgx.value_and_grad runs the loss once per data-parallel "
+                              "participant, manual over 'data'")
+    assert words in message and "P('data', None) becomes P(None, None)" in message
+
+
+def test_a_named_sharding_on_an_automatic_data_axis_gets_a_cgx_error_and_its_fix_works(
+        cpu_devices):
+    mesh = mesh_1d(cpu_devices)
+    params, x, y = regression()
+
+    def loss(spec_or_sharding):
+        def mse_constrained(params, x, y):
+            hidden = jax.lax.with_sharding_constraint(x @ params["w1"], spec_or_sharding)
+            return jnp.mean((jax.nn.relu(hidden + params["b1"]) @ params["w2"] - y) ** 2)
+        return mse_constrained
+
+    grad_fn = cgx.value_and_grad(loss(NamedSharding(mesh, P(None, None))), axis_name="data",
+                                 policy=NEAREST8)
+    with jax.set_mesh(mesh), pytest.raises(ValueError, match="a NamedSharding built on the "
+                                           "mesh, where 'data' is automatic"):
+        jax.jit(grad_fn)(params, x, y)
+    fixed = cgx.value_and_grad(loss(P(None, None)), axis_name="data", policy=NEAREST8)
+    with jax.set_mesh(mesh):
+        value, grads = jax.jit(fixed)(params, x, y)
+    want_value, want = jax.jit(cgx.value_and_grad(mse, mesh=mesh, axis_name="data",
+                                                  policy=NEAREST8))(params, x, y)
+    assert float(value) == float(want_value)
+    jax.tree.map(np.testing.assert_array_equal, grads, want)
+
+
+def test_the_mesh_set_by_set_mesh_is_used_when_none_is_given(cpu_devices):
+    mesh = mesh_1d(cpu_devices)
+    params, x, y = regression()
+    want_value, want = jax.jit(cgx.value_and_grad(mse, mesh=mesh, axis_name="data",
+                                                  policy=NEAREST8))(params, x, y)
+    grad_fn = cgx.value_and_grad(mse, axis_name="data", policy=NEAREST8)
+    with jax.set_mesh(mesh):
+        value, grads = jax.jit(grad_fn)(params, x, y)  # inside jit: the abstract mesh only
+        eager_value, eager = grad_fn(params, x, y)
+        residual = cgx.init_residual(params, axis_name="data", policy=grad_fn)
+    assert float(value) == float(want_value) == float(eager_value)
+    jax.tree.map(np.testing.assert_array_equal, grads, want)
+    jax.tree.map(np.testing.assert_array_equal, eager, want)
+    assert residual["w1"].sharding == NamedSharding(mesh, P("data"))
+    with pytest.raises(ValueError, match=r"no mesh: pass mesh=, or call inside "
+                                         r"jax.sharding.set_mesh\(mesh\)"):
+        jax.jit(grad_fn)(params, x, y)
+    with pytest.raises(ValueError, match="no mesh: pass mesh="):
+        cgx.init_residual(params, axis_name="data")
+    other = jax.make_mesh((8,), ("batch",), devices=cpu_devices[:8])
+    with jax.set_mesh(other), pytest.raises(ValueError, match="axis_name 'data' is not an "
+                                             "axis of the mesh, whose axes are .'batch',."):
+        jax.jit(grad_fn)(params, x, y)
+    with pytest.raises(TypeError, match="mesh must be a jax.sharding.Mesh .* got str"):
+        cgx.value_and_grad(mse, mesh="data", axis_name="data")
+
+
 def test_has_aux_and_several_argnums(cpu_devices):
     mesh = mesh_1d(cpu_devices)
     params, x, y = regression()

@@ -31,6 +31,17 @@ def test_cluster_registration_is_what_the_launcher_hook_extends():
         assert callable(getattr(clusters.ClusterEnv, method)), method
 
 
+def test_the_ambient_mesh_is_where_cgx_looks(cpu_devices):
+    mesh = jax.make_mesh((8,), ("data",), devices=cpu_devices[:8])
+    assert jax_compat.ambient_mesh() is None
+    with jax.sharding.set_mesh(mesh):
+        assert jax_compat.ambient_mesh() == mesh  # outside jit
+        seen = []
+        jax.jit(lambda x: seen.append(jax_compat.ambient_mesh()) or x)(1.0)
+        assert seen == [mesh]  # and inside, where jax.sharding.get_mesh refuses
+    assert jax_compat.ambient_mesh() is None
+
+
 def test_the_cuda_versions_module_is_where_cgx_looks():
     lib = importlib.import_module("jax._src.lib")
     assert hasattr(lib, "cuda_versions")  # None without the CUDA plugin

@@ -22,6 +22,7 @@ as ``jax.value_and_grad``'s would, so ``optimizer.update`` and Optax apply uncha
 from __future__ import annotations
 
 import dataclasses
+import re
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -35,7 +36,7 @@ from jax.sharding import AxisType, Mesh, PartitionSpec as P
 
 from cgx_jax._src import flax_compat, fsdp
 from cgx_jax._src.api import reduce_leaves, warn_nothing_compressed
-from cgx_jax._src.collectives.jax_compat import reshard, untyped_collectives
+from cgx_jax._src.collectives.jax_compat import ambient_mesh, reshard, untyped_collectives
 from cgx_jax._src.layouts import axis_type, entry_axes, lay_out, spec_axes
 from cgx_jax._src.policy import (
     LayerPolicy,
@@ -84,7 +85,7 @@ def _data_dim(spec, axis_name, path) -> int | None:
     return None
 
 
-def value_and_grad(fun: Callable, *, mesh: Mesh, axis_name: str, argnums=0,
+def value_and_grad(fun: Callable, *, mesh: Mesh | None = None, axis_name: str, argnums=0,
                    has_aux: bool = False, policy: LayerPolicy | None = None, key=None,
                    algorithm: str = "auto", backend: str = "ffi", param_specs=None,
                    error_feedback: bool = False, weight_policy: LayerPolicy | None = None,
@@ -97,7 +98,8 @@ def value_and_grad(fun: Callable, *, mesh: Mesh, axis_name: str, argnums=0,
       fun: the loss, ``fun(*args) -> scalar`` (``(scalar, aux)`` with ``has_aux``), written
         as under GSPMD, but run once per data-parallel participant on that participant's
         rows: sizes taken from the arrays (``x.shape[0]``), not from the global batch.
-      mesh: the mesh the step runs on.
+      mesh: the mesh the step runs on; default: the one ``jax.sharding.set_mesh`` made
+        current where ``grad_fn`` is called (inside ``jax.jit`` too).
       axis_name: its data-parallel axis. Every argument not in ``argnums`` is a batch, split
         over ``axis_name`` along its first dimension; arguments in ``argnums`` (parameters,
         or an NNX module) may be sharded over the other mesh axes, and replicated over
@@ -186,9 +188,8 @@ def value_and_grad(fun: Callable, *, mesh: Mesh, axis_name: str, argnums=0,
     policy = check_policy(policy)
     base_key = raw_key(key)
     check_choice("keep_for_backward", keep_for_backward, ("weights", "packets"))
-    if axis_name not in mesh.axis_names:
-        raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh, whose axes "
-                         f"are {mesh.axis_names}")
+    if mesh is not None:
+        _check_mesh(mesh, axis_name)
     positions = (argnums,) if isinstance(argnums, int) else tuple(argnums)
     single = isinstance(argnums, int)
     # param_specs describes the gradients as returned: one tree, or one per argnum.
@@ -201,7 +202,8 @@ def value_and_grad(fun: Callable, *, mesh: Mesh, axis_name: str, argnums=0,
 
     def grad_fn(*args, step=None, residual=None):
         _check_call(args, argnums, positions, axis_name, error_feedback, residual)
-        call, flat_args = _Call.of(args, specs, _step_key(step, base_key), **settings)
+        call, flat_args = _Call.of(args, specs, _step_key(step, base_key),
+                                   **dict(settings, mesh=_mesh_here(mesh, axis_name)))
         if error_feedback and call.fsdp:
             raise ValueError(
                 f"cgx.value_and_grad(..., error_feedback=True): parameters "
@@ -232,6 +234,29 @@ def value_and_grad(fun: Callable, *, mesh: Mesh, axis_name: str, argnums=0,
 
     grad_fn.policy = policy  # for cgx.summary(grad_fn, params)
     return grad_fn
+
+
+def _check_mesh(mesh, axis_name) -> None:
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh must be a jax.sharding.Mesh (or None: the mesh "
+                        f"jax.sharding.set_mesh made current), got {type(mesh).__name__}")
+    if axis_name not in mesh.axis_names:
+        raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh, whose axes "
+                         f"are {mesh.axis_names}")
+
+
+def _mesh_here(mesh, axis_name):
+    """``mesh``, or where it is None the mesh ``jax.sharding.set_mesh`` made current;
+    checked to have ``axis_name``."""
+    if mesh is None:
+        mesh = ambient_mesh()
+        if mesh is None:
+            raise ValueError(
+                f"cgx: no mesh: pass mesh=, or call inside jax.sharding.set_mesh(mesh) (as "
+                f"`with jax.sharding.set_mesh(mesh):`, or jax.sharding.set_mesh(mesh) once) "
+                f"with a mesh that has the axis {axis_name!r}")
+    _check_mesh(mesh, axis_name)
+    return mesh
 
 
 def _check_call(args, argnums, positions, axis_name, error_feedback, residual) -> None:
@@ -501,20 +526,48 @@ def _split_rows(x, mesh, axis_name):
     return reshard(x, jax.sharding.NamedSharding(mesh, P(axis_name, *spec[1:])))
 
 
+# The annotation a JAX error about a spec in the loss comes from, by the operation it names.
+_ANNOTATIONS = {"einsum": "an out_sharding= of jnp.einsum",
+                "dot_general": "an out_sharding= of a matmul (jnp.dot, jnp.matmul, @)",
+                "reshard": "a jax.sharding.reshard"}
+
+
+def _data_axis_annotation_error(message: str, axis_name) -> str | None:
+    """cgx's words for JAX's error about a sharding annotation in the loss that names the
+    data axis, which is manual inside the per-participant loss; None for other errors."""
+    fix = (f"Drop {axis_name!r} from that spec (P({axis_name!r}, None) becomes P(None, None), "
+           f"P({axis_name!r}, 'model') becomes P(None, 'model')): each participant already "
+           f"holds only its rows.")
+    spec = message.partition("Got spec=")[2].partition(" and mesh=")[0]
+    if "can only refer to Auto axes" in message and repr(axis_name) in spec:
+        return (f"a jax.lax.with_sharding_constraint (or nnx sharding constraint) in the loss "
+                f"names {axis_name!r}. {fix} Do not turn off check_vma instead: the gradients "
+                f"would then be reduced by JAX and again by cgx.")
+    manual = re.search(r"PartitionSpec passed to (\w+) cannot contain axis names .*Got "
+                       r"PartitionSpec: (P\(.*?\)) with axis name: (\w+) of type: "
+                       r"AxisType.Manual", message)
+    if manual and manual.group(3) == axis_name:
+        kind = _ANNOTATIONS.get(manual.group(1), f"a spec passed to {manual.group(1)}")
+        return f"{kind} in the loss names {axis_name!r} ({manual.group(2)}). {fix}"
+    if ("Axes mentioned in `manual_axis_type`" in message
+            and f"axis: {axis_name} of type AxisType.Auto" in message):
+        return (f"a NamedSharding built on the mesh, where {axis_name!r} is automatic, "
+                f"constrains a value in the loss. Write the constraint's spec alone "
+                f"(jax.lax.with_sharding_constraint(x, P(None, 'model')) under "
+                f"jax.sharding.set_mesh(mesh)), or its NamedSharding on "
+                f"jax.sharding.get_abstract_mesh(), without {axis_name!r}.")
+    return None
+
+
 def _with_clear_constraint_errors(call, axis_name):
     try:
         return call()
     except (TypeError, ValueError) as error:
         message = str(error)
-        spec = message.partition("Got spec=")[2].partition(" and mesh=")[0]
-        if "can only refer to Auto axes" in message and repr(axis_name) in spec:
-            raise ValueError(
-                f"cgx.value_and_grad runs the loss once per data-parallel participant, manual "
-                f"over {axis_name!r}: a jax.lax.with_sharding_constraint (or nnx sharding "
-                f"constraint) in the model names {axis_name!r}. Drop {axis_name!r} from that "
-                f"spec (P({axis_name!r}, 'model') becomes P(None, 'model')): each participant "
-                f"already holds only its rows. Do not turn off check_vma instead: the "
-                f"gradients would then be reduced by JAX and again by cgx.") from error
+        problem = _data_axis_annotation_error(message, axis_name)
+        if problem:
+            raise ValueError(f"cgx.value_and_grad runs the loss once per data-parallel "
+                             f"participant, manual over {axis_name!r}: {problem}") from error
         if "shape" in message:  # perhaps shapes written for the global batch
             error.add_note(
                 f"cgx.value_and_grad runs the loss once per participant of {axis_name!r}, on "
@@ -691,7 +744,8 @@ def _noise_groups(specs, mesh) -> dict:
     return groups
 
 
-def init_residual(params, *, mesh: Mesh, axis_name: str, param_specs=None, policy=None):
+def init_residual(params, *, mesh: Mesh | None = None, axis_name: str, param_specs=None,
+                  policy=None):
     """The zero error-feedback residual of ``cgx.value_and_grad(..., error_feedback=True)``
     for ``params`` (a pytree, an ``nnx.State``, or an NNX module, whose ``nnx.Param``s are
     taken): f32, one row per participant of ``axis_name`` for each leaf that ``policy``
@@ -704,7 +758,7 @@ def init_residual(params, *, mesh: Mesh, axis_name: str, param_specs=None, polic
 
     Args:
       params: the parameters (a pytree, an ``nnx.State`` or an NNX module).
-      mesh: the mesh of the step.
+      mesh: the mesh of the step (default: the one ``jax.sharding.set_mesh`` made current).
       axis_name: its data-parallel axis.
       param_specs: the parameters' ``PartitionSpec``s over the other axes (default: the
         NNX annotations, else replicated).
@@ -727,6 +781,7 @@ def init_residual(params, *, mesh: Mesh, axis_name: str, param_specs=None, polic
         >>> r["b"].shape == (len(jax.devices()), 1)  # an exact leaf loses nothing: one zero
         True
     """
+    mesh = _mesh_here(mesh, axis_name)
     if flax_compat.is_module(params):
         nnx = flax_compat.nnx()
         params = nnx.state(params, nnx.Param)

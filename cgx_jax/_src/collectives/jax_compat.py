@@ -68,6 +68,20 @@ def distributed_client():
                                   "checks that the processes agree")) from error
 
 
+def ambient_mesh():
+    """The mesh ``jax.sharding.set_mesh`` made current (``with jax.sharding.set_mesh(mesh):``
+    or set for the program), or ``None``. Inside ``jax.jit`` the public
+    ``jax.sharding.get_mesh`` refuses and ``get_abstract_mesh`` has no devices, so it is read
+    where JAX itself keeps it; a JAX that keeps it elsewhere gets a ``RuntimeError``."""
+    try:
+        from jax._src.mesh import get_concrete_mesh
+    except ImportError as error:
+        raise RuntimeError(_moved("jax._src.mesh.get_concrete_mesh",
+                                  "reads the mesh set by jax.sharding.set_mesh")) from error
+    mesh = get_concrete_mesh()
+    return None if mesh is None or not mesh.axis_names else mesh
+
+
 def jax_cuda_runtime_version() -> int | None:
     """The CUDA runtime version of JAX's CUDA plugin (``1000 * major + 10 * minor``), ``None``
     where no CUDA plugin is installed, or it does not say (then only the driver is checked)."""
