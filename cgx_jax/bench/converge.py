@@ -207,10 +207,10 @@ def _train(mode, policy, args, mesh, task, tx) -> dict:
         batch = jax.device_put(task.batch(i), rows)
         params, opt_state, residual, loss = step(params, opt_state, residual, batch,
                                                  jnp.int32(i))
-        interval.append(loss)
+        interval.append(float(loss))  # waits: one program in flight (design.md section 9)
         if (i + 1) % args.eval_every == 0 or i + 1 == args.steps:
             record(i + 1)
-            train_losses.append(float(np.mean([float(x) for x in interval])))
+            train_losses.append(float(np.mean(interval)))
             interval = []
             print(f"  {mode:<9} step {i + 1:>5}  held-out {curve[-1][1]:.4f}  "
                   f"train {train_losses[-1]:.4f}", file=sys.stderr, flush=True)
