@@ -11,8 +11,9 @@ over the data axis, parameters replicated), and measures the held-out loss every
 - ``cgx ef``: the same with ``error_feedback=True`` (the residual carried step to step);
 - ``adaptive``: per-layer bits fitted by ``cgx.fit_policy`` on the first batch's summed
   gradient, within uniform 4 bits' bytes;
-- ``cgx 8b``, ``cgx bucket 128``, ``cgx exact embed`` (only when ``--modes`` names them):
-  the defaults with 8 bits, with buckets of 128 values, or with the embedding exact.
+- ``cgx 8b``, ``cgx bucket 128``, ``cgx exact embed``, ``cgx exact out`` (only when
+  ``--modes`` names them): the defaults with 8 bits, with buckets of 128 values, or with the
+  embedding or the output layer exact.
 
 Every mode uses AdamW with a linear warmup and a cosine decay to a tenth, so the exact
 held-out loss flattens by the last step. Tasks: ``lm`` (``text_lm``), a byte-level decoder on
@@ -44,12 +45,14 @@ from cgx_jax.bench.common import cpu_description
 
 MODES = ("exact", "cgx", "cgx ef", "adaptive")
 # Variants of the defaults, run only when --modes names them, to find where the defaults'
-# error matters: more bits, smaller buckets, the token embedding sent exact. Each is
+# error matters: more bits, smaller buckets, the token embedding or the output layer (the
+# LM's out, the ViT's head) sent exact. Each is
 # LayerPolicy() with one field changed (built from the cgx_jax module, imported late).
 VARIANTS = {
     "cgx 8b": lambda cgx: cgx.LayerPolicy(default=cgx.Codec(bits=8)),
     "cgx bucket 128": lambda cgx: cgx.LayerPolicy(default=cgx.Codec(bucket_size=128)),
     "cgx exact embed": lambda cgx: cgx.LayerPolicy(exclude=("^embed",)),
+    "cgx exact out": lambda cgx: cgx.LayerPolicy(exclude=("^out$", "^head/")),
 }
 AXIS = "data"
 TASKS = ("lm", "digits")
