@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import cgx_jax as cgx
+from cgx_jax._src import link_model
 from cgx_jax.bench import converge, digits, text_lm
 
 SMALL = ["--steps", "40", "--warmup", "5", "--eval-every", "10", "--eval-windows", "32",
@@ -71,11 +72,11 @@ def test_sizes_per_step_and_the_first_step_to_reach_a_loss():
     tree = {"w": jnp.zeros((256, 128)), "e": jnp.zeros((1000, 20)), "b": jnp.zeros(128)}
     # Compressed by default: w (32,768 values: 32 buckets of 8 + 512 bytes) and e (20,000
     # values: 20 buckets); b exact.
-    assert converge.allreduce_sizes(tree, cgx.LayerPolicy()) == dict(
+    assert link_model.allreduce_sizes(tree, cgx.LayerPolicy()) == dict(
         wire=(32 + 20) * 520, values=52768, buffers=1, exact_bytes=512, exact_leaves=1)
     two = cgx.LayerPolicy(overrides={"^e$": cgx.Codec(bits=2)})
-    assert converge.allreduce_sizes(tree, two)["buffers"] == 2
-    assert converge.allreduce_sizes(tree, None) == dict(
+    assert link_model.allreduce_sizes(tree, two)["buffers"] == 2
+    assert link_model.allreduce_sizes(tree, None) == dict(
         wire=0, values=0, buffers=0, exact_bytes=4 * (32768 + 20000 + 128), exact_leaves=3)
     curve = [(0, 5.0), (10, 3.0), (20, 2.5), (30, 2.5)]
     assert converge.first_reaching(curve, 2.5) == 20
@@ -190,7 +191,7 @@ def test_every_mode_learns_the_text_and_ends_close_to_exact(tmp_path, capsys):
     config = text_lm.LMConfig(width=64, depth=1, heads=2, length=64)
     params = text_lm.init(jax.random.key(0), config)
     assert rows["exact"]["wire"] == 4 * result["parameters"]
-    sizes = converge.allreduce_sizes(params, cgx.LayerPolicy())
+    sizes = link_model.allreduce_sizes(params, cgx.LayerPolicy())
     assert rows["cgx"]["wire"] == sizes["wire"] + sizes["exact_bytes"]
     assert rows["cgx"]["wire"] < rows["exact"]["wire"] / 2  # some leaves are small: exact
     leaves = jax.tree.leaves(params)

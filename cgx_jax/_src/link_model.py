@@ -220,6 +220,32 @@ class Estimate:
         return "\n".join(lines + [self.advice])
 
 
+def allreduce_sizes(tree, policy: LayerPolicy | None) -> dict:
+    """What one participant's gradient all-reduce of ``tree`` carries per step, as
+    ``estimate`` counts it (floating array leaves only): ``wire``, the packet bytes of the
+    leaves ``policy`` compresses; ``values``, their count; ``buffers``, the codecs in use (one
+    fused buffer each); ``exact_bytes`` and ``exact_leaves``, the leaves sent in f32
+    (``policy`` None: all of them).
+
+    Example:
+        >>> import jax.numpy as jnp, cgx_jax as cgx
+        >>> tree = {"w": jnp.zeros((256, 128)), "b": jnp.zeros(128)}
+        >>> allreduce_sizes(tree, cgx.LayerPolicy())
+        {'wire': 16640, 'values': 32768, 'buffers': 1, 'exact_bytes': 512, 'exact_leaves': 1}
+    """
+    tree = partition(tree, is_array)[0]
+    leaves = jax.tree_util.tree_leaves(tree)
+    codecs = policy.resolve_leaves(tree) if policy is not None else [None] * len(leaves)
+    sent = [(codec, math.prod(leaf.shape)) for codec, leaf in zip(codecs, leaves)
+            if is_compressible(leaf)]
+    compressed = [(codec, n) for codec, n in sent if codec is not None]
+    exact = [n for codec, n in sent if codec is None]
+    return dict(wire=sum(wire_bytes(n, codec) for codec, n in compressed),
+                values=sum(n for _, n in compressed),
+                buffers=len({codec for codec, _ in compressed}),
+                exact_bytes=4 * sum(exact), exact_leaves=len(exact))
+
+
 def default_policies() -> dict:
     """The policies ``estimate`` compares without ``policies=``: the default layer policy
     (``LayerPolicy()``, 4 bits) and the same leaves at 8 and 2 bits."""
@@ -285,12 +311,9 @@ def estimate(tree, link, *, policies: dict | None = None,
     exact = profile.exact_seconds(f32_bytes, sum(floating))  # lax.psum of the gradient tree
     rows = []
     for name, policy in policies.items():
-        chosen = [(codec, leaf) for codec, leaf, f in zip(policy.resolve_leaves(tree), leaves,
-                                                          floating) if f]
-        wire = sum(wire_bytes(math.prod(leaf.shape), c) for c, leaf in chosen if c is not None)
-        values = sum(math.prod(leaf.shape) for c, leaf in chosen if c is not None)
-        exact_bytes = sum(4 * math.prod(leaf.shape) for c, leaf in chosen if c is None)
-        buffers = len({c for c, _ in chosen if c is not None})
-        seconds = profile.allreduce_seconds(wire, values, buffers, exact_bytes)
-        rows.append(PolicyEstimate(name, wire + exact_bytes, seconds, exact - seconds))
+        sizes = allreduce_sizes(tree, policy)
+        seconds = profile.allreduce_seconds(sizes["wire"], sizes["values"], sizes["buffers"],
+                                            sizes["exact_bytes"])
+        rows.append(PolicyEstimate(name, sizes["wire"] + sizes["exact_bytes"], seconds,
+                                   exact - seconds))
     return Estimate(f32_bytes, exact, tuple(rows), step_seconds, profile)

@@ -244,32 +244,6 @@ def _compute_seconds(args, task, tx) -> float:
 
 # --------------------------------------------------------------------------- summary
 
-def allreduce_sizes(params, policy) -> dict:
-    """What one participant's gradient all-reduce carries per step, counted as
-    ``cgx.estimate`` counts it: ``wire``, the packet bytes of the compressed leaves;
-    ``values``, their count; ``buffers``, the codecs in use (one fused buffer each);
-    ``exact_bytes`` and ``exact_leaves``, the leaves sent in f32 (``policy`` None: all).
-
-    Example:
-        >>> import jax.numpy as jnp, cgx_jax as cgx
-        >>> tree = {"w": jnp.zeros((256, 128)), "b": jnp.zeros(128)}
-        >>> allreduce_sizes(tree, cgx.LayerPolicy())
-        {'wire': 16640, 'values': 32768, 'buffers': 1, 'exact_bytes': 512, 'exact_leaves': 1}
-    """
-    import jax
-
-    from cgx_jax._src.codec import wire_bytes
-
-    leaves = jax.tree.leaves(params)
-    codecs = policy.resolve_leaves(params) if policy is not None else [None] * len(leaves)
-    compressed = [(codec, leaf.size) for codec, leaf in zip(codecs, leaves) if codec]
-    exact = [leaf.size for codec, leaf in zip(codecs, leaves) if codec is None]
-    return dict(wire=sum(wire_bytes(n, codec) for codec, n in compressed),
-                values=sum(n for _, n in compressed),
-                buffers=len({codec for codec, _ in compressed}),
-                exact_bytes=4 * sum(exact), exact_leaves=len(exact))
-
-
 def allreduce_seconds(sizes: dict, profile) -> float:
     """The all-reduce of ``sizes`` on a ``LinkProfile``: exact, one ``psum`` per leaf;
     compressed, a packet per codec and one fused ``psum`` of the exact leaves."""
@@ -356,8 +330,7 @@ def _number(value, spec: str = "") -> str:
 
 def _table_rows(result) -> list[list[str]]:
     checkpoints = result["checkpoints"]
-    exact = {s: v for s, v in result["runs"]["exact"]["curve"]} if "exact" in result["runs"] \
-        else {}
+    exact = dict(result["runs"]["exact"]["curve"]) if "exact" in result["runs"] else {}
     out = []
     for row in result["rows"]:
         curve = dict(result["runs"][row["mode"]]["curve"])
@@ -470,6 +443,8 @@ def run(args) -> dict:
     import numpy as np
     import optax
     from jax.sharding import Mesh
+
+    from cgx_jax._src.link_model import allreduce_sizes
 
     task = lm_task(args) if args.task == "lm" else digits_task(args)
     mesh = Mesh(np.array(jax.devices()[:args.participants]), (AXIS,))
