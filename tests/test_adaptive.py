@@ -279,11 +279,14 @@ def _sgd_step(tx, params, state, x, y):
     return optax.apply_updates(params, updates), state, jax.lax.pmean(loss, "batch")
 
 
-def test_window_mean_by_value_across_window_boundaries():
+@pytest.mark.parametrize("sample_every", [1, 2])
+def test_window_mean_by_value_across_window_boundaries(sample_every):
     # The state's error table after each update is the mean of the all-reduced per-step
-    # tables since the window began (docs/design.md section 7), computed here independently:
-    # warmup 2, every 3, so the windows are updates {0, 1}, {2, 3, 4}, {5, 6, 7}.
-    config = cgx.AdaptiveConfig(every=3, warmup=2, choices=(2, 4, 8), bucket_size=256)
+    # tables of the sampled updates since the window began (docs/design.md section 7),
+    # computed here independently: warmup 2, every 3, so the windows are updates {0, 1},
+    # {2, 3, 4}, {5, 6, 7}; one in two sampled: {0}, {2, 4}, {5, 7}.
+    config = cgx.AdaptiveConfig(every=3, warmup=2, choices=(2, 4, 8), bucket_size=256,
+                                sample_every=sample_every)
     base = cgx.LayerPolicy(min_size=0)
     tx = cgx.compressed_allreduce("batch", policy=base, adaptive=config)
     keys = jax.random.split(jax.random.key(3), 8)
@@ -297,9 +300,11 @@ def test_window_mean_by_value_across_window_boundaries():
                         axis=0) for g in grads]
     window_of = [-1 if t < config.warmup else (t - config.warmup) // config.every
                  for t in range(len(grads))]
+    start = {w: window_of.index(w) for w in window_of}
     for t, g in enumerate(grads):
         _, state = update(g, state)
-        members = [u for u in range(t + 1) if window_of[u] == window_of[t]]
+        members = [u for u in range(t + 1) if window_of[u] == window_of[t]
+                   and (u - start[window_of[u]]) % sample_every == 0]
         want = np.mean([per_step[u] for u in members], axis=0)
         got = np.asarray(state.adaptive.table.errors[0], np.float64)
         np.testing.assert_allclose(got, want, rtol=1e-5, err_msg=f"after update {t}")
@@ -578,6 +583,8 @@ def test_bad_arguments_raise_clear_errors():
         cgx.fit_policy(table, objective="speed")
     with pytest.raises(ValueError, match="every must be an int >= 1"):
         cgx.AdaptiveConfig(every=0)
+    with pytest.raises(ValueError, match="sample_every must be an int >= 1, got 0"):
+        cgx.AdaptiveConfig(sample_every=0)
     with pytest.raises(ValueError, match="bucket_size must be"):
         cgx.AdaptiveConfig(bucket_size=12)
     with pytest.raises(TypeError, match="adaptive must be a cgx_jax.AdaptiveConfig"):

@@ -126,6 +126,9 @@ def test_each_variant_changes_one_thing_of_the_defaults():
     assert resolved["cgx exact out"]["embed"] == cgx.Codec()
     assert resolved["cgx 8b"]["embed"] == resolved["cgx 8b"]["out"] == cgx.Codec(bits=8)
     assert resolved["cgx bucket 128"]["block0"]["up"] == cgx.Codec(bucket_size=128)
+    assert resolved["cgx bucket 256"]["block0"]["up"] == cgx.Codec(bucket_size=256)
+    assert all(c is None for c in jax.tree.leaves(resolved["cgx uncompressed"],
+                                                  is_leaf=lambda c: c is None))
     for mode in policies:  # the small leaves stay exact
         assert resolved[mode]["block0"]["norm1"] is None and resolved[mode]["norm"] is None
 

@@ -51,6 +51,10 @@ MODES = ("exact", "cgx", "cgx ef", "adaptive")
 VARIANTS = {
     "cgx 8b": lambda cgx: cgx.LayerPolicy(default=cgx.Codec(bits=8)),
     "cgx bucket 128": lambda cgx: cgx.LayerPolicy(default=cgx.Codec(bucket_size=128)),
+    "cgx bucket 256": lambda cgx: cgx.LayerPolicy(default=cgx.Codec(bucket_size=256)),
+    # Every leaf exact, through cgx's per-participant path: the run-to-run spread of a
+    # trajectory that differs from exact's only in rounding.
+    "cgx uncompressed": lambda cgx: cgx.LayerPolicy(default=None),
     "cgx exact embed": lambda cgx: cgx.LayerPolicy(exclude=("^embed",)),
     "cgx exact out": lambda cgx: cgx.LayerPolicy(exclude=("^out$", "^head/")),
 }

@@ -44,7 +44,7 @@ def _copy_seconds(x, repeats: int, calls: int) -> float:
 
 
 def kernel_rows(sizes, bits_list, peers: int, repeats: int, device,
-                roundings=("stochastic",)) -> list[dict]:
+                roundings=("stochastic",), bucket_sizes=(1024,)) -> list[dict]:
     rows = []
     key = jax.random.key(0)
     seed = jax.device_put(jnp.array([1234, 5678], jnp.uint32), device)
@@ -54,9 +54,10 @@ def kernel_rows(sizes, bits_list, peers: int, repeats: int, device,
         copy_s = _copy_seconds(x, repeats, calls)
         gbytes = size * 4 / 1e9
         rows.append(dict(kernel="copy (baseline)", elements=size, bits=32, rounding="-",
-                         seconds=copy_s, gb_per_s=gbytes / copy_s, vs_copy=1.0))
-        for bits, rounding in [(b, r) for b in bits_list for r in roundings]:
-            codec = Codec(bits=bits, bucket_size=1024, rounding=rounding)
+                         bucket=None, seconds=copy_s, gb_per_s=gbytes / copy_s, vs_copy=1.0))
+        for bits, rounding, bucket in [(b, r, k) for b in bits_list for r in roundings
+                                       for k in bucket_sizes]:
+            codec = Codec(bits=bits, bucket_size=bucket, rounding=rounding)
             quantize = jax.jit(lambda v: ffi.quantize_rows(v, seed, codec))
             packets = quantize(x).block_until_ready()
             dequantize = jax.jit(lambda p: ffi.dequantize_rows(p, codec, size, jnp.float32))
@@ -72,18 +73,19 @@ def kernel_rows(sizes, bits_list, peers: int, repeats: int, device,
             ):
                 seconds = median_seconds(fn, repeats, calls)
                 rows.append(dict(kernel=name, elements=size, bits=bits, rounding=rounding,
-                                 seconds=seconds, gb_per_s=gbytes / seconds,
+                                 bucket=bucket, seconds=seconds, gb_per_s=gbytes / seconds,
                                  vs_copy=copy_s / seconds))
     return rows
 
 
 def format_table(rows: list[dict]) -> str:
-    header = (f"{'kernel':<24} {'elements':>10} {'bits':>4} {'rounding':<10} {'ms':>9} "
-              f"{'GB/s':>8} {'x copy':>7}")
+    header = (f"{'kernel':<24} {'elements':>10} {'bits':>4} {'rounding':<10} {'bucket':>6} "
+              f"{'ms':>9} {'GB/s':>8} {'x copy':>7}")
     lines = [header, "-" * len(header)]
     for r in rows:
         lines.append(f"{r['kernel']:<24} {r['elements']:>10} {r['bits']:>4} {r['rounding']:<10} "
-                     f"{r['seconds'] * 1e3:>9.2f} {r['gb_per_s']:>8.2f} {r['vs_copy']:>7.2f}")
+                     f"{r['bucket'] or '-':>6} {r['seconds'] * 1e3:>9.2f} {r['gb_per_s']:>8.2f} "
+                     f"{r['vs_copy']:>7.2f}")
     return "\n".join(lines)
 
 
@@ -95,6 +97,8 @@ def main(argv=None) -> int:
     parser.add_argument("--bits", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--rounding", nargs="+", default=["stochastic"],
                         choices=("stochastic", "nearest"))
+    parser.add_argument("--bucket-sizes", type=int, nargs="+", default=[1024],
+                        help="values per bucket (default 1024)")
     parser.add_argument("--peers", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--platform", default=None, help="cpu or gpu (default: JAX's default)")
@@ -105,10 +109,16 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.peers < 1:
         parser.error(f"--peers must be at least 1, got {args.peers}")
-    too_small = [s for s in args.sizes if s < 1024 * args.peers]
+    for size in args.bucket_sizes:
+        try:
+            Codec(bucket_size=size)
+        except ValueError as error:
+            parser.error(f"--bucket-sizes: {error}")
+    bucket = max(args.bucket_sizes)
+    too_small = [s for s in args.sizes if s < bucket * args.peers]
     if too_small:
-        parser.error(f"--sizes must be at least one 1024-value bucket per peer "
-                     f"({1024 * args.peers} with --peers {args.peers}), got {too_small}")
+        parser.error(f"--sizes must be at least one {bucket}-value bucket per peer "
+                     f"({bucket * args.peers} with --peers {args.peers}), got {too_small}")
     bad_bits = [b for b in args.bits if not 1 <= b <= 8]
     if bad_bits:
         parser.error(f"--bits must be 1..8, got {bad_bits}")
@@ -126,12 +136,13 @@ def main(argv=None) -> int:
 
     keep_freed_memory_on_cpu()  # as launch.initialize applies it in a launched process
     device = jax.devices(args.platform)[0] if args.platform else jax.devices()[0]
-    sizes = [s - s % (1024 * args.peers) for s in args.sizes]
-    rows = kernel_rows(sizes, args.bits, args.peers, args.repeats, device, args.rounding)
+    sizes = [s - s % (bucket * args.peers) for s in args.sizes]
+    rows = kernel_rows(sizes, args.bits, args.peers, args.repeats, device, args.rounding,
+                       args.bucket_sizes)
     threads = os.environ.get("CGX_JAX_CPU_THREADS", "all")
     print(f"# cgx_jax kernels on {device.device_kind} ({device.platform}), "
           f"{platform.machine()} CPU loops {_cgx_cpu.cpu_isa()}, CGX_JAX_CPU_THREADS={threads}, "
-          "bucket 1024; GB/s of f32 input "
+          "GB/s of f32 input "
           f"(reduce_requantize: N={args.peers} chunks of size/N)")
     print(f"# CPU: {cpu_description()}")
     print(format_table(rows))
