@@ -6,6 +6,9 @@ runs the backend tests without it); the Flax model and the training data are in 
 real processes and network namespaces in processes.py."""
 
 import functools
+import importlib.util
+import os
+import sys
 
 import jax
 import ml_dtypes
@@ -15,6 +18,20 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from cgx_jax._src.backends import ffi, pure_jax
 from cgx_jax._src.codec import Codec
+
+REPO = os.path.join(os.path.dirname(__file__), os.pardir)
+
+
+def load_script(relative_path, name):
+    """The script at ``relative_path`` (from the repository root: an example or a tool)
+    imported as the module ``name`` (registered in ``sys.modules``, where dataclasses look
+    their module up)."""
+    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, relative_path))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
 
 # ---------------------------------------------------------------------------
 # Meshes and sharded runs

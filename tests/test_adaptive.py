@@ -185,8 +185,9 @@ def test_fitted_policy_beats_uniform_4_bit_on_a_vit_block():
     assert lean_error <= uniform_error and lean_bytes < uniform_bytes
     # The summary shows the chosen bits; exact leaves stay exact.
     rows = {line.split()[0]: line for line in cgx.summary(fitted, grads).splitlines()}
+    assert table.bucket_size == cgx.Codec().bucket_size  # candidates bucket as the default
     for path, b in zip(table.paths, bits):
-        assert f"{b} bit/1024 stochastic" in rows[path]
+        assert f"{b} bit/{table.bucket_size} stochastic" in rows[path]
     assert "exact" in rows["qkv/bias"]
 
 

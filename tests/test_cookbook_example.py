@@ -2,13 +2,12 @@
 annotated activations, hand-written Adam) ported to cgx in three marked lines, checked against
 the original step (jax.value_and_grad) on the simulated CPU devices conftest.py sets up."""
 
-import importlib.util
 import math
 import os
-import sys
 
 import jax
 import jax.numpy as jnp
+from helpers import load_script
 from jax.sharding import PartitionSpec as P
 
 import cgx_jax as cgx
@@ -18,11 +17,7 @@ EXAMPLE = os.path.join(os.path.dirname(__file__), os.pardir, "examples", "cookbo
 
 
 def load_example():
-    spec = importlib.util.spec_from_file_location("cookbook_example", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("examples/cookbook.py", "cookbook_example")
 
 
 def test_one_cgx_step_is_the_original_step_compressed(cpu_devices):

@@ -567,7 +567,7 @@ def test_summary_reads_the_policy_of_a_transform_or_grad_fn(cpu_devices):
                    cgx.value_and_grad(mse, mesh=mesh, axis_name="data", policy=nothing)):
         table = cgx.summary(source, params)
         assert "bit" not in table and table.splitlines()[-1].split()[-2] == "1.0x", table
-    assert "4 bit/1024" in cgx.summary(cgx.compressed_allreduce("data"),
+    assert "4 bit/128" in cgx.summary(cgx.compressed_allreduce("data"),
                                        {"w": jnp.zeros((256, 256))})
     with pytest.raises(TypeError, match="optax.chain does not show its members"):
         cgx.summary(optax.chain(cgx.compressed_allreduce("data"), optax.sgd(0.1)), params)

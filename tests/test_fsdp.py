@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from helpers import load_script
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 from test_sharded import roundtrip
 
@@ -240,13 +241,7 @@ def test_the_step_keeps_fsdp_memory():
     step's arguments are the original FSDP step's (the parameters' shards; the step counter
     aside), and its whole memory (arguments and temporaries) within 1.5x of the original
     FSDP step's and below 0.6x of the cgx data-parallel step's."""
-    import importlib.util
-    import os
-
-    path = os.path.join(os.path.dirname(__file__), "..", "tools", "fsdp_memory.py")
-    spec = importlib.util.spec_from_file_location("fsdp_memory", path)
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = load_script("tools/fsdp_memory.py", "fsdp_memory")
     mesh = fsdp_mesh()
     sizes = dict(width=512, depth=8, rows=64)
     fsdp = tool.step_memory(mesh, ("fsdp", None), False, **sizes)
@@ -275,7 +270,7 @@ def test_the_shard_map_route_gathers_only_the_leaves_its_specs_shard():
                                      out_specs=P("fsdp")))(state)
 
     full = gather()
-    weights = cgx.Codec(bits=8, rounding="nearest")
+    weights = cgx.Codec(bits=8, bucket_size=1024, rounding="nearest")  # the weights' default
     for layer in ("linear1", "linear2"):
         kernel = np.asarray(state[layer]["kernel"][...])
         want = np.concatenate([roundtrip(s, weights) for s in np.split(kernel, 8)])

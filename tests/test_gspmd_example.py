@@ -2,20 +2,13 @@
 nnx.Optimizer, exact and through cgx.value_and_grad (with and without error feedback), on
 a 2x4 (data x model) mesh of the simulated CPU devices conftest.py sets up."""
 
-import importlib.util
 import math
-import os
-import sys
 
-EXAMPLE = os.path.join(os.path.dirname(__file__), os.pardir, "examples", "gspmd_nnx.py")
+from helpers import load_script
 
 
 def load_example():
-    spec = importlib.util.spec_from_file_location("gspmd_nnx_example", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("examples/gspmd_nnx.py", "gspmd_nnx_example")
 
 
 def test_exact_and_cgx_train_alike_on_a_data_and_model_mesh():

@@ -35,7 +35,7 @@ def timings(noise=0.0, seed=0):
         rows.append(dict(method="psum bf16", elements=n, bits=16, seconds=1.0))  # ignored
         rows.append(dict(method="cgx auto 4b", elements=n, bits=4, leaves=80, seconds=9.0))
         for bits in (2, 4, 8):
-            wire = wire_bytes(n, Codec(bits=bits))
+            wire = wire_bytes(n, Codec(bits=bits, bucket_size=1024))
             rows.append(dict(method=f"cgx auto {bits}b", elements=n, bits=bits, seconds=(
                 TRUE["compressed_latency"] + TRUE["seconds_per_wire_byte"] * wire
                 + TRUE["seconds_per_value"] * n) * jitter()))

@@ -91,7 +91,7 @@ def test_summary_table():
     lines = table.splitlines()
     assert lines[0].split()[:3] == ["path", "shape", "codec"]
     qkv = next(line for line in lines if line.startswith("qkv/kernel"))
-    assert "4 bit/1024 stochastic" in qkv and str(cgx.wire_bytes(64 * 192, cgx.Codec())) in qkv
+    assert "4 bit/128 stochastic" in qkv and str(cgx.wire_bytes(64 * 192, cgx.Codec())) in qkv
     total = lines[-1].split()
     f32 = sum(4 * x.size for x in jax.tree.leaves(params))
     assert total[0] == "total" and int(total[2]) == f32

@@ -3,7 +3,6 @@ the 8 simulated CPU devices that conftest.py sets up; the CIFAR-10 reader on fak
 a run across two processes that a killed rank interrupts, restarted by the launcher and
 resumed from its checkpoints bit for bit."""
 
-import importlib.util
 import json
 import math
 import os
@@ -18,17 +17,13 @@ import time
 import jax
 import numpy as np
 import pytest
+from helpers import load_script
 
 EXAMPLE_DIR = os.path.join(os.path.dirname(__file__), os.pardir, "examples", "vit")
 
 
 def load_example(name):
-    path = os.path.join(EXAMPLE_DIR, f"{name}.py")
-    spec = importlib.util.spec_from_file_location(f"vit_example_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_script(f"examples/vit/{name}.py", f"vit_example_{name}")
 
 
 def test_train_tiny_in_the_data_parallel_and_fsdp_modes(tmp_path):

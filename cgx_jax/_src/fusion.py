@@ -33,7 +33,7 @@ def group_by_codec(leaves, codecs) -> tuple[dict[Codec, list[int]], list[int]]:
         >>> import jax.numpy as jnp, cgx_jax as cgx
         >>> c = cgx.Codec()
         >>> group_by_codec([jnp.ones(3), jnp.ones(2), jnp.ones(4)], [c, None, c])
-        ({Codec(bits=4, bucket_size=1024, rounding='stochastic'): [0, 2]}, [1])
+        ({Codec(bits=4, bucket_size=128, rounding='stochastic'): [0, 2]}, [1])
     """
     groups: dict[Codec, list[int]] = {}
     exact = []

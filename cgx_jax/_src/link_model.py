@@ -129,7 +129,7 @@ def fit_profile(rows: list[dict], processes: int, bucket_size: int,
         >>> rows += [dict(method=f"cgx auto {b}b", elements=n, bits=b,
         ...               seconds=2e-3 + wire_bytes(n, Codec(bits=b)) * 1e-9 + n * 1e-10)
         ...          for n in (1 << 20, 1 << 22) for b in (2, 8)]
-        >>> p = fit_profile(rows, processes=4, bucket_size=1024)
+        >>> p = fit_profile(rows, processes=4, bucket_size=Codec().bucket_size)
         >>> round(p.seconds_per_byte * 1e9, 3), round(p.seconds_per_value * 1e10, 3)
         (1.0, 1.0)
     """
@@ -231,7 +231,7 @@ def allreduce_sizes(tree, policy: LayerPolicy | None) -> dict:
         >>> import jax.numpy as jnp, cgx_jax as cgx
         >>> tree = {"w": jnp.zeros((256, 128)), "b": jnp.zeros(128)}
         >>> allreduce_sizes(tree, cgx.LayerPolicy())
-        {'wire': 16640, 'values': 32768, 'buffers': 1, 'exact_bytes': 512, 'exact_leaves': 1}
+        {'wire': 18432, 'values': 32768, 'buffers': 1, 'exact_bytes': 512, 'exact_leaves': 1}
     """
     tree = partition(tree, is_array)[0]
     leaves = jax.tree_util.tree_leaves(tree)

@@ -254,7 +254,7 @@ def tree_wire_bytes(policy: LayerPolicy, tree) -> int:
         >>> import cgx_jax as cgx, jax.numpy as jnp
         >>> tree = {"w": jnp.zeros((256, 256)), "b": jnp.zeros(256)}
         >>> cgx.tree_wire_bytes(cgx.LayerPolicy(), tree)
-        34304
+        37888
     """
     leaves = jax.tree_util.tree_leaves(tree)
     return sum(leaf_wire_bytes(codec, leaf)
@@ -293,10 +293,10 @@ def summary(policy, tree) -> str:
         >>> import cgx_jax as cgx, jax.numpy as jnp
         >>> print(cgx.summary(cgx.LayerPolicy(), {"w": jnp.zeros((256, 256)), "b": jnp.zeros(256)}))
         ... # doctest: +NORMALIZE_WHITESPACE +ELLIPSIS
-        path  shape       codec                  wire bytes  f32 bytes  vs f32  vs bf16
-        b     (256,)      exact                        1024       1024    1.0x     0.5x
-        w     (256, 256)  4 bit/1024 stochastic       33280     262144    7.9x     3.9x
-        total                                         34304     263168    7.7x     3.8x
+        path   shape       codec                 wire bytes  f32 bytes  vs f32  vs bf16
+        b      (256,)      exact                       1024       1024    1.0x     0.5x
+        w      (256, 256)  4 bit/128 stochastic       36864     262144    7.1x     3.6x
+        total                                         37888     263168    6.9x     3.5x
     """
     policy = policy_of(policy)
     tree = partition(tree, is_array)[0]  # a model's functions and ints are not sent

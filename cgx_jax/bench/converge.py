@@ -7,13 +7,14 @@ over the data axis, parameters replicated), and measures the held-out loss every
 
 - ``exact``: ``jax.value_and_grad``, XLA's f32 all-reduce of the gradients (the baseline);
 - ``cgx``: ``cgx.value_and_grad`` with the library's defaults (``LayerPolicy()``: 4 bits
-  stochastic, buckets of 1,024, leaves of 16,384+ values and 2+ dimensions);
+  stochastic, buckets of 128, leaves of 16,384+ values and 2+ dimensions);
 - ``cgx ef``: the same with ``error_feedback=True`` (the residual carried step to step);
 - ``adaptive``: per-layer bits fitted by ``cgx.fit_policy`` on the first batch's summed
   gradient, within uniform 4 bits' bytes;
-- ``cgx 8b``, ``cgx bucket 128``, ``cgx exact embed``, ``cgx exact out`` (only when
-  ``--modes`` names them): the defaults with 8 bits, with buckets of 128 values, or with the
-  embedding or the output layer exact.
+- the variants (only when ``--modes`` names them): the defaults with one thing changed:
+  ``cgx 8b``, ``cgx bucket 256``, ``cgx bucket 1024`` (the default before 0.1.0's change),
+  ``cgx uncompressed`` (every leaf exact, through the per-participant path), ``cgx exact
+  embed``, ``cgx exact out`` (the embedding or the output layer exact).
 
 Every mode uses AdamW with a linear warmup and a cosine decay to a tenth, so the exact
 held-out loss flattens by the last step. Tasks: ``lm`` (``text_lm``), a byte-level decoder on
@@ -50,8 +51,8 @@ MODES = ("exact", "cgx", "cgx ef", "adaptive")
 # LayerPolicy() with one field changed (built from the cgx_jax module, imported late).
 VARIANTS = {
     "cgx 8b": lambda cgx: cgx.LayerPolicy(default=cgx.Codec(bits=8)),
-    "cgx bucket 128": lambda cgx: cgx.LayerPolicy(default=cgx.Codec(bucket_size=128)),
     "cgx bucket 256": lambda cgx: cgx.LayerPolicy(default=cgx.Codec(bucket_size=256)),
+    "cgx bucket 1024": lambda cgx: cgx.LayerPolicy(default=cgx.Codec(bucket_size=1024)),
     # Every leaf exact, through cgx's per-participant path: the run-to-run spread of a
     # trajectory that differs from exact's only in rounding.
     "cgx uncompressed": lambda cgx: cgx.LayerPolicy(default=None),

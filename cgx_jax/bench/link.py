@@ -3,7 +3,7 @@ profile for ``cgx.estimate``: ``python -m cgx_jax.bench link --processes 4 --lin
 
 It times, across the real processes, ``lax.psum`` of f32 gradients (at a few sizes, as one
 array and as the 80 leaves of a ViT) and ``compressed_psum`` of one array (default
-algorithm, 2, 4 and 8 bits, the default bucket of 1024) at the same sizes (the allreduce
+algorithm, 2, 4 and 8 bits, the default codec's bucket) at the same sizes (the allreduce
 benchmark's worker, ``--repeats`` timed calls after warm-up, medians), and fits the two
 lines of ``cgx_jax._src.link_model``: the exact all-reduce's latency, seconds per byte and
 per extra leaf, the compressed one's latency, seconds per wire byte (the network) and
@@ -41,7 +41,7 @@ from cgx_jax.bench.common import (
 
 SIZES = (1 << 18, 1 << 20, 1 << 22, 1 << 24)  # 256K to 16M values: latency to bandwidth
 BITS = (2, 4, 8)
-BUCKET = 1024  # the default codec's
+BUCKET = Codec().bucket_size  # the default codec's
 NS_PREFIX = "cgxlink"
 
 

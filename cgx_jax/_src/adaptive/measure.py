@@ -16,7 +16,7 @@ from cgx_jax._src.codec import Codec, pad_to_multiple, wire_bytes
 from cgx_jax._src.policy import LayerPolicy, check_policy, is_compressible, path_name
 
 DEFAULT_CHOICES = (2, 3, 4, 5, 6, 8)
-DEFAULT_BUCKET_SIZE = 1024
+DEFAULT_BUCKET_SIZE = Codec().bucket_size  # the candidates bucket as the default codec does
 
 
 @jax.tree_util.register_pytree_node_class
