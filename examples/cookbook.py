@@ -39,6 +39,7 @@ if "--help" not in sys.argv and "-h" not in sys.argv:
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+import optax  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import cgx_jax as cgx  # noqa: E402
@@ -52,23 +53,17 @@ class Specs:
     act: P = P("fsdp", None, None)  # (batch, sequence, features)
 
 
+KERNELS = ("qkv", "proj", "up", "down", "out")
+
+
 def init(key, width: int, depth: int, length: int, specs: Specs) -> dict:
-    keys = iter(jax.random.split(key, 3 + 4 * depth))
-
-    def dense(fan_in, fan_out, scale=1.0):
-        w = scale * jax.random.normal(next(keys), (fan_in, fan_out)) / np.sqrt(fan_in)
-        return jax.device_put(w, specs.kernel)
-
-    params = {"embed": jax.random.normal(next(keys), (text_lm.VOCAB, width)),
-              "position": 0.02 * jax.random.normal(next(keys), (length, width)),
-              "norm": jnp.ones((width,)), "out": dense(width, text_lm.VOCAB)}
-    for i in range(depth):
-        small = 1 / np.sqrt(2 * depth)  # residual branches start small
-        params[f"block{i}"] = {"norm1": jnp.ones((width,)), "qkv": dense(width, 3 * width),
-                               "proj": dense(width, width, small), "norm2": jnp.ones((width,)),
-                               "up": dense(width, 4 * width),
-                               "down": dense(4 * width, width, small)}
-    return params
+    """The convergence benchmark's decoder (``text_lm.init``: ``embed``, ``position``,
+    ``block{i}`` of ``norm1``, ``qkv``, ``proj``, ``norm2``, ``up``, ``down``; ``norm``,
+    ``out``), its kernels placed FSDP, everything else replicated as created."""
+    params = text_lm.init(key, text_lm.LMConfig(width=width, depth=depth, length=length))
+    return jax.tree_util.tree_map_with_path(
+        lambda path, w: jax.device_put(w, specs.kernel) if path[-1].key in KERNELS else w,
+        params)
 
 
 def forward(params, tokens, specs: Specs, heads: int):
@@ -92,11 +87,6 @@ def forward(params, tokens, specs: Specs, heads: int):
     return dense(rms_norm(x, params["norm"]), params["out"])
 
 
-def cross_entropy(logits, targets):
-    logits = logits - jax.nn.logsumexp(logits, axis=-1, keepdims=True)
-    return -jnp.take_along_axis(logits, targets[..., None], axis=-1).mean()
-
-
 def adam(params, grads, state, i, lr, b1=0.9, b2=0.95, eps=1e-8):
     """One Adam step; ``state`` (m, v) is sharded like the parameters."""
     m = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g, state[0], grads)
@@ -109,7 +99,8 @@ def adam(params, grads, state, i, lr, b1=0.9, b2=0.95, eps=1e-8):
 
 def loss_of(specs: Specs, heads: int):
     def loss_fn(params, windows):
-        return cross_entropy(forward(params, windows[:, :-1], specs, heads), windows[:, 1:])
+        logits = forward(params, windows[:, :-1], specs, heads)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, windows[:, 1:]).mean()
     return loss_fn
 
 

@@ -14,6 +14,7 @@ import jax
 import ml_dtypes
 import numpy as np
 import numpy_model as model
+import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
 from cgx_jax._src.backends import ffi, pure_jax
@@ -31,6 +32,15 @@ def load_script(relative_path, name):
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def usage_error(main, args, capsys) -> str:
+    """What ``main(args)`` (a command line's entry point) wrote to stderr, checked to have
+    exited with argparse's usage error (status 2)."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    assert exit_info.value.code == 2
+    return capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------

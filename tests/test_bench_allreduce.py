@@ -12,6 +12,7 @@ import sys
 import time
 
 import pytest
+from helpers import usage_error
 from processes import needs_netns
 
 from cgx_jax._src import netem
@@ -61,10 +62,7 @@ def test_layouts_split_the_values_as_the_models_leaves():
     (["--layouts", "vit", "--sizes", "64"], "--sizes 64 is too small for the vit layout"),
 ])
 def test_bad_arguments_exit_with_a_message(args, message, capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        allreduce.main(args)
-    assert exit_info.value.code == 2
-    assert message in capsys.readouterr().err
+    assert message in usage_error(allreduce.main, args, capsys)
 
 
 def synthetic_rows():

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import usage_error
 
 import cgx_jax as cgx
 from cgx_jax._src import link_model
@@ -142,10 +143,7 @@ def test_each_variant_changes_one_thing_of_the_defaults():
     (["--participants", "16"], "--participants 16: this process has 8 devices"),
 ])
 def test_bad_arguments_exit_with_a_message(args, message, capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        converge.main(args)
-    assert exit_info.value.code == 2
-    assert message in capsys.readouterr().err
+    assert message in usage_error(converge.main, args, capsys)
 
 
 def test_a_profile_for_other_processes_is_refused(tmp_path, capsys):

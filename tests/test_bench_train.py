@@ -9,6 +9,7 @@ import sys
 
 import jax
 import pytest
+from helpers import usage_error
 
 from cgx_jax.bench import train
 
@@ -29,10 +30,7 @@ def run_cli(*args, timeout=400):
     (["--link", "3gb"], "link rate must look like"),
 ])
 def test_bad_arguments_exit_with_a_message(args, message, capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        train.main(args)
-    assert exit_info.value.code == 2
-    assert message in capsys.readouterr().err
+    assert message in usage_error(train.main, args, capsys)
 
 
 def test_models_have_the_documented_sizes():
