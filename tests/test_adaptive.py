@@ -22,7 +22,7 @@ CHOICES = (2, 3, 4, 5, 6, 8)
 
 
 def random_table(rng, leaves, choices, bucket_size=64, integer_errors=False):
-    """A table of random leaf sizes, the real packet bytes, and random errors."""
+    """A table of random leaf sizes, the real packet bytes, and random errors and squares."""
     sizes = [int(s) for s in rng.integers(1, 40, leaves) * bucket_size // 2]
     nbytes = [[cgx.wire_bytes(n, cgx.Codec(bits=b, bucket_size=bucket_size)) for b in choices]
               for n in sizes]
@@ -30,8 +30,10 @@ def random_table(rng, leaves, choices, bucket_size=64, integer_errors=False):
         errors = rng.integers(0, 30, (leaves, len(choices))).astype(np.float32)
     else:
         errors = rng.uniform(0, 1, (leaves, len(choices))).astype(np.float32)
+    squares = rng.uniform(0.1, 10, leaves) * np.asarray(sizes)
     return cgx.ErrorTable([f"layer{i}/kernel" for i in range(leaves)], sizes,
-                          jnp.asarray(errors), nbytes, choices, bucket_size)
+                          jnp.asarray(errors), nbytes, choices, bucket_size,
+                          squares=jnp.asarray(squares, jnp.float32))
 
 
 def byte_budget(table, bits):
@@ -61,6 +63,7 @@ def test_layer_errors_measures_the_real_codec():
             y = cgx.dequantize(cgx.quantize(x, codec), codec, x.shape)
             np.testing.assert_allclose(table.errors[i, j], jnp.sum((x - y) ** 2), rtol=1e-5)
             assert table.bytes[i, j] == cgx.wire_bytes(x.size, codec)
+        np.testing.assert_allclose(table.squares[i], np.sum(np.square(grads[name])), rtol=1e-5)
     jitted = jax.jit(lambda g: cgx.layer_errors(g, (2, 5), 64, base=base))(grads)
     # The same codec bytes; XLA may sum the squared errors in another order under jit (on a
     # GPU it does), so the f32 sums agree to rounding, not to the bit.
@@ -103,12 +106,13 @@ def test_fit_error_objective_matches_brute_force(budget_bits):
         best = min(table.cost(a)[0] for a in assignments(table) if table.cost(a)[1] <= limit)
         slack = int(limit) - int(table.bytes.min(axis=1).sum())
         # One byte per cell: the rounding is exact, so the DP is the true optimum.
-        exact = cgx.fit_policy(table, budget_bits=budget_bits, cells=max(slack, 1))
+        exact = cgx.fit_policy(table, error="squared", budget_bits=budget_bits,
+                               cells=max(slack, 1))
         error, nbytes = table.cost(table.bits_of(exact))
         assert nbytes <= limit
         np.testing.assert_allclose(error, best, rtol=1e-6)
         # The default 2000 cells: still within the budget, and never worse than uniform.
-        coarse = cgx.fit_policy(table, budget_bits=budget_bits, cells=50)
+        coarse = cgx.fit_policy(table, error="squared", budget_bits=budget_bits, cells=50)
         error, nbytes = table.cost(table.bits_of(coarse))
         assert nbytes <= limit and error >= best * (1 - 1e-6)
         if budget_bits in table.choices:
@@ -126,13 +130,61 @@ def test_fit_bytes_objective_matches_brute_force(budget_bits):
         best = min(table.cost(a)[1] for a in assignments(table) if table.cost(a)[0] <= limit)
         slack = int(limit - errors.min(axis=1).sum())
         # Integer errors and one error unit per cell: exact rounding, the true optimum.
-        fitted = cgx.fit_policy(table, budget_bits=budget_bits, objective="bytes",
-                                cells=max(slack, 1))
+        fitted = cgx.fit_policy(table, error="squared", budget_bits=budget_bits,
+                                objective="bytes", cells=max(slack, 1))
         error, nbytes = table.cost(table.bits_of(fitted))
         assert error <= limit and nbytes == best
-        coarse = cgx.fit_policy(table, budget_bits=budget_bits, objective="bytes", cells=7)
+        coarse = cgx.fit_policy(table, error="squared", budget_bits=budget_bits,
+                                objective="bytes", cells=7)
         error, nbytes = table.cost(table.bits_of(coarse))
         assert error <= limit and best <= nbytes <= table.cost(budget_bits)[1]
+
+
+@pytest.mark.parametrize("budget_bits", [3, 4, 5.5])
+def test_fit_relative_error_matches_brute_force(budget_bits):
+    """error="relative" (the default) minimises each leaf's squared error over its mean
+    square, computed here in numpy; a leaf of zeros counts nothing."""
+    rng = np.random.default_rng(int(10 * budget_bits))
+    for _ in range(12):
+        table = random_table(rng, rng.integers(4, 7), (2, 3, 4, 5, 6, 8))
+        squares = rng.uniform(0.01, 100, len(table.paths)) ** 2
+        squares[0] = 0.0
+        table = cgx.ErrorTable(table.paths, table.sizes, table.errors, table.bytes,
+                               table.choices, table.bucket_size, squares=jnp.asarray(squares))
+        relative = table.host_errors() * np.asarray(table.sizes)[:, None] / np.where(
+            squares > 0, squares, np.inf)[:, None]
+        limit = byte_budget(table, budget_bits)
+        rows = np.arange(len(table.paths))
+
+        def cost(bits):
+            return relative[rows, [table.choices.index(b) for b in bits]].sum()
+
+        best = min(cost(a) for a in assignments(table) if table.cost(a)[1] <= limit)
+        slack = int(limit) - int(table.bytes.min(axis=1).sum())
+        fitted = cgx.fit_policy(table, budget_bits=budget_bits, cells=max(slack, 1))
+        assert table.cost(table.bits_of(fitted))[1] <= limit
+        np.testing.assert_allclose(cost(table.bits_of(fitted)), best, rtol=1e-6)
+        assert table.bits_of(fitted)[0] == table.choices[0]  # zeros: the fewest bits
+
+
+def test_relative_error_ignores_a_leaf_s_scale_and_squared_follows_it():
+    """Two leaves of one shape of distribution, 100x apart: relative gives both the same
+    bits, squared gives the large one more; a table without squares warns and fits squared."""
+    k1, k2 = jax.random.split(jax.random.key(0))
+    grads = {"a": jax.random.normal(k1, (64, 64)), "b": 0.01 * jax.random.normal(k2, (64, 64))}
+    base = cgx.LayerPolicy(min_size=0)
+    table = cgx.layer_errors(grads, bucket_size=256, base=base)
+    relative = table.bits_of(cgx.fit_policy(table, budget_bits=4, base=base))
+    squared = table.bits_of(cgx.fit_policy(table, budget_bits=4, base=base, error="squared"))
+    assert relative == (4, 4) and squared[0] > 4 > squared[1]
+    bare = cgx.ErrorTable(table.paths, table.sizes, table.errors, table.bytes, table.choices,
+                          table.bucket_size)
+    with pytest.warns(UserWarning, match="no squares"):
+        assert table.bits_of(cgx.fit_policy(bare, budget_bits=4, base=base)) == squared
+    with pytest.raises(ValueError, match="error"):
+        cgx.fit_policy(table, budget_bits=4, error="absolute")
+    with pytest.raises(ValueError, match="error"):
+        cgx.AdaptiveConfig(error="absolute")
 
 
 def test_fit_is_monotone_in_the_budget_and_never_worse_than_uniform():
@@ -141,7 +193,7 @@ def test_fit_is_monotone_in_the_budget_and_never_worse_than_uniform():
         table = random_table(rng, 30, CHOICES)
         previous = np.inf
         for budget_bits in np.arange(2.0, 8.01, 0.25):
-            fitted = cgx.fit_policy(table, budget_bits=float(budget_bits))
+            fitted = cgx.fit_policy(table, error="squared", budget_bits=float(budget_bits))
             error, nbytes = table.cost(table.bits_of(fitted))
             assert nbytes <= byte_budget(table, budget_bits)
             assert error <= previous * (1 + 1e-6)
@@ -168,12 +220,13 @@ def test_fitted_policy_beats_uniform_4_bit_on_a_vit_block():
     grads = vit_block_grads()
     base = cgx.LayerPolicy(min_size=0)
     table = jax.jit(lambda g: cgx.layer_errors(g, base=base))(grads)
-    fitted = cgx.fit_policy(table, budget_bits=4, base=base)
-    assert fitted == cgx.fit_policy(grads, budget_bits=4, base=base)  # same from the gradients
+    fitted = cgx.fit_policy(table, error="squared", budget_bits=4, base=base)
+    # The same from the gradients.
+    assert fitted == cgx.fit_policy(grads, error="squared", budget_bits=4, base=base)
     bits = table.bits_of(fitted)
     error, nbytes = table.cost(bits)
     uniform_error, uniform_bytes = table.cost(4)
-    lean = cgx.fit_policy(table, budget_bits=4, base=base, objective="bytes")
+    lean = cgx.fit_policy(table, error="squared", budget_bits=4, base=base, objective="bytes")
     lean_error, lean_bytes = table.cost(table.bits_of(lean))
     print(f"\nViT-like block, {len(bits)} compressed leaves {table.paths}")
     print(f"  uniform 4 bit:         error {uniform_error:.4e}  bytes {uniform_bytes}")
@@ -310,6 +363,9 @@ def test_window_mean_by_value_across_window_boundaries(sample_every):
         got = np.asarray(state.adaptive.table.errors[0], np.float64)
         np.testing.assert_allclose(got, want, rtol=1e-5, err_msg=f"after update {t}")
     assert [t for t in range(9) if config.due(t)] == [2, 5, 8]
+    # No warmup: the first refit after the first `every` updates, never before any update
+    # (step 0 has no statistics to refit from).
+    assert [t for t in range(12) if cgx.AdaptiveConfig(warmup=0, every=5).due(t)] == [5, 10]
 
 
 def test_default_state_has_no_adaptive_statistics():
@@ -341,7 +397,7 @@ def model_seconds(table, link, bits):
 
 def with_exact_bytes(table, exact_bytes):
     return cgx.ErrorTable(table.paths, table.sizes, table.errors, table.bytes, table.choices,
-                          table.bucket_size, exact_bytes)
+                          table.bucket_size, exact_bytes, squares=table.squares)
 
 
 def test_time_budget_fit_matches_brute_force_and_beats_every_uniform_width_that_fits():
@@ -351,19 +407,23 @@ def test_time_budget_fit_matches_brute_force_and_beats_every_uniform_width_that_
         table = with_exact_bytes(random_table(rng, rng.integers(3, 6), (2, 3, 4, 8)),
                                  int(rng.integers(0, 2000)))
         times = {a: model_seconds(table, link, a) for a in assignments(table)}
-        for budget in np.quantile(sorted(times.values()), [0.05, 0.3, 0.6, 0.9]):
+        # Quantiles, and half a byte's time short of three assignments' (where rounding the
+        # byte limit up instead of down would fit one that overruns).
+        some = [list(times)[int(i)] for i in rng.integers(0, len(times), 3)]
+        for budget in [*np.quantile(sorted(times.values()), [0.05, 0.3, 0.6, 0.9]),
+                       *(times[a] - 0.5 * link.seconds_per_wire_byte for a in some)]:
             feasible = [table.cost(a)[0] for a, t in times.items() if t <= budget]
             # Enough cells for one per byte: the DP is exact, so the result is the optimum.
-            fitted = cgx.fit_policy(table, time_budget=float(budget), link=link,
+            fitted = cgx.fit_policy(table, error="squared", time_budget=float(budget), link=link,
                                     cells=int(table.bytes.sum()))
             bits = table.bits_of(fitted)
-            assert model_seconds(table, link, bits) <= budget
+            assert model_seconds(table, link, bits) <= budget * (1 + 1e-12)
             np.testing.assert_allclose(table.cost(bits)[0], min(feasible), rtol=1e-6)
             for width in table.choices:
                 if model_seconds(table, link, [width] * len(table.paths)) <= budget:
                     assert table.cost(bits)[0] <= table.cost(width)[0] * (1 + 1e-6)
             checked += 1
-    assert checked == 40
+    assert checked == 70
 
 
 def test_time_budget_fit_of_gradients_fits_what_estimate_predicts():
@@ -395,7 +455,7 @@ def test_a_time_budget_no_policy_meets_gets_the_fastest_policy_and_a_warning():
     fastest = model_seconds(table, link, [2] * 4)
     with pytest.warns(UserWarning, match=r"no policy meets time_budget=.* the fastest \(every "
                                          r"candidate at 2 bits\) takes .* ms over"):
-        fitted = cgx.fit_policy(table, time_budget=0.5 * fastest, link=link)
+        fitted = cgx.fit_policy(table, error="squared", time_budget=0.5 * fastest, link=link)
     assert table.bits_of(fitted) == (2, 2, 2, 2)
 
 
@@ -520,6 +580,64 @@ def test_probes_re_estimate_the_rate_against_the_profile(cpu_devices):
         watch.probe(mesh, "d", repeats=0)
 
 
+def test_a_kernel_bound_profile_with_no_per_wire_byte_cost_is_watched():
+    """fit_profile sets seconds_per_wire_byte to exactly 0 when 2- and 8-bit calls take the
+    same time: probes and steps still rescale the exact per-byte cost (was a
+    ZeroDivisionError), and ``slowdown`` says by how much."""
+    link = cgx.LinkProfile(processes=4, exact_latency=1e-3, seconds_per_byte=8e-9,
+                           compressed_latency=1e-3, seconds_per_wire_byte=0.0,
+                           seconds_per_value=2e-10)
+    watch = cgx.LinkWatch(link, {"w": jnp.zeros(4)})
+    assert watch.observe_probe(0.05, 10**6)  # (0.05 - 1e-3) / 8e-3: 6.125x slower
+    assert watch.slowdown == pytest.approx(6.125)
+    assert watch.link.seconds_per_byte == pytest.approx(6.125 * 8e-9)
+    assert watch.link.seconds_per_wire_byte == 0.0 and "rate x0.16" in watch.link.description
+    assert not watch.observe_probe(0.05, 10**6)  # the same rate again: no change
+    assert watch.observe_probe(9e-3, 10**6) and watch.slowdown == pytest.approx(1.0)
+    # Steps: an exact leaf's bytes carry the rate.
+    params = {"w": jnp.zeros((1024, 1024)), "b": jnp.zeros(1 << 20)}
+    steps = cgx.LinkWatch(link, params, window=5)
+    policy = cgx.LayerPolicy()
+    times = synthetic_steps(steps, policy, [1.0] * 5 + [4.0] * 5, noise=0.0)
+    assert [i for i, t in enumerate(times) if steps.observe(t, policy)] == [9]
+    assert steps.slowdown == pytest.approx(4.0)
+
+
+def test_a_probe_at_the_latency_says_nothing_and_changes_nothing():
+    """A probe that took exactly the exact latency measures a rate of 0: no estimate."""
+    link = a_link(per_byte=8e-9, latency=1e-3)
+    watch = cgx.LinkWatch(link, {"w": jnp.zeros(4)})
+    assert not watch.observe_probe(link.exact_latency, 10**6)
+    assert watch.link == link and watch.slowdown == 1.0 and not watch.changed
+    assert watch.observe_probe(link.exact_latency + 2 * 8e-3, 10**6)  # then 2x slower
+    assert watch.slowdown == pytest.approx(2.0)
+
+
+def test_probe_reports_the_fastest_of_its_psums_in_bytes(cpu_devices, monkeypatch):
+    """probe() hands observe_probe the fastest of ``repeats`` timed psums (a hiccup is not
+    the link) and the bytes each participant sent (4 per f32 value), not the values."""
+    import time
+
+    watch = cgx.LinkWatch(a_link(per_byte=8e-9), {"w": jnp.zeros(4)})
+    mesh = jax.make_mesh((4,), ("d",), devices=cpu_devices[:4])
+    watch.probe(mesh, "d", values=4096)  # compiles and caches the psum
+    (key, (psum, x)), = watch._probes.items()
+    delays = iter([0.3, 0.02, 0.3])
+
+    def slow_psum(value):
+        time.sleep(next(delays))
+        return psum(value)
+
+    watch._probes[key] = (slow_psum, x)
+    seen = []
+    monkeypatch.setattr(watch, "observe_probe", lambda s, n: seen.append((s, n)) or False)
+    assert watch.probe(mesh, "d", values=4096, repeats=3) is False
+    (seconds, nbytes), = seen
+    assert nbytes == 4 * 4096
+    assert 0.02 <= seconds < 0.25, seconds
+    assert watch.last_probe_seconds >= 0.62
+
+
 def test_link_watches_fed_the_same_numbers_decide_alike_and_check_arguments():
     params = {"w": jnp.zeros((1024, 1024))}
     link, policy = a_link(per_byte=8e-9), cgx.LayerPolicy()
@@ -556,8 +674,8 @@ def test_time_budget_arguments_are_checked(tmp_path):
         cgx.fit_policy(table, time_budget=0.01, link={"processes": 4})
     path = tmp_path / "link.json"
     link.save(str(path))
-    assert (cgx.fit_policy(table, time_budget=0.01, link=str(path))
-            == cgx.fit_policy(table, time_budget=0.01, link=link))
+    assert (cgx.fit_policy(table, error="squared", time_budget=0.01, link=str(path))
+            == cgx.fit_policy(table, error="squared", time_budget=0.01, link=link))
 
 
 # ---------------------------------------------------------------------------

@@ -333,16 +333,26 @@ class RematMLP(fs.MLP):
             self.linear2, hidden)
 
 
-@pytest.mark.parametrize("shape,names,kernel_axes", [
-    ((8,), ("fsdp",), ("fsdp", None)),
-    ((4, 2), ("fsdp", "model"), ("fsdp", "model"))])  # decoded at the start: blocks
-def test_keeping_packets_for_backward_gives_the_same_gradients(shape, names, kernel_axes):
-    """keep_for_backward='packets' (weights decoded where the layers read them) gives the
-    default's loss and gradients bit for bit (the same packets, keys and decoding), of
-    nnx.value_and_grad's types, structure and shardings, and leaves the module's parameters
-    as they were (plain nnx.Param, not the decoding ones)."""
+class SlicedMLP(fs.MLP):
+    """Reads only the first half of the output layer's kernel and bias, by index."""
+
+    def __call__(self, x):
+        hidden = nnx.relu(self.linear1(x))
+        out = hidden @ self.linear2.kernel[:, :64] + self.linear2.bias[:64]
+        return jnp.concatenate([out, jnp.zeros_like(out)], axis=-1)
+
+
+@pytest.mark.parametrize("shape,names,kernel_axes,cls", [
+    ((8,), ("fsdp",), ("fsdp", None), RematMLP),
+    ((8,), ("fsdp",), ("fsdp", None), SlicedMLP),
+    ((4, 2), ("fsdp", "model"), ("fsdp", "model"), RematMLP)])  # decoded at the start
+def test_keeping_packets_for_backward_gives_the_same_gradients(shape, names, kernel_axes, cls):
+    """keep_for_backward='packets' (weights decoded where the layers read them, by index
+    too) gives the default's loss and gradients bit for bit (the same packets, keys and
+    decoding), of nnx.value_and_grad's types, structure and shardings, and leaves the
+    module's parameters as they were (plain nnx.Param, not the decoding ones)."""
     mesh = fsdp_mesh(shape, names)
-    model, _ = fs.make_model(mesh, kernel_axes=kernel_axes, cls=RematMLP)
+    model, _ = fs.make_model(mesh, kernel_axes=kernel_axes, cls=cls)
     before = nnx.state(model, nnx.Param)
     loss, grads = grads_of(mesh, model, True, step=3, keep_for_backward="packets")
     want_loss, want = grads_of(mesh, model, True, step=3)
@@ -405,3 +415,94 @@ def test_keep_for_backward_errors():
                                          r"\['linear1/kernel', 'linear2/kernel'\]"):
         with jax.set_mesh(mesh):
             grad_fn(params, fs.batch(mesh, 0)[0], step=jnp.int32(0))
+
+
+def gradient_errors(mesh, spec, params, loss):
+    """cgx's FSDP gradient (exact weights, default 4-bit gradients) less the exact one, per
+    leaf, of plain-dict ``params`` placed with ``spec`` on the explicit-axes ``mesh``."""
+    with jax.set_mesh(mesh):
+        placed = jax.device_put(params, NamedSharding(mesh, spec))
+        x = jax.device_put(jax.random.normal(jax.random.key(5), (64, 256)),
+                           NamedSharding(mesh, P("fsdp", None)))
+        grad_fn = cgx.value_and_grad(loss, axis_name="fsdp", weight_policy=EXACT)
+        _, got = jax.jit(grad_fn)(placed, x, step=jnp.int32(0))
+        want = jax.jit(jax.grad(loss))(placed, x)
+    for name in got:
+        assert got[name].sharding.is_equivalent_to(placed[name].sharding, 2)
+    return {name: np.asarray(got[name], np.float64) - np.asarray(want[name], np.float64)
+            for name in got}
+
+
+def correlation(a, b):
+    assert np.std(a) > 0 and np.std(b) > 0  # both compressed
+    return float(np.corrcoef(a.reshape(-1), b.reshape(-1))[0, 1])
+
+
+def test_each_fsdp_leaf_and_each_model_block_draws_its_own_noise():
+    """Equal gradients must not get equal noise: two equal row-sharded leaves (each leaf its
+    own key), and the two equal column blocks of one leaf sharded over 'model' too (each
+    block its own key). Shared noise would give a correlation of 1."""
+    a = jax.random.normal(jax.random.key(4), (256, 256)) / 16
+    loss = lambda p, x: sum(jnp.mean(jnp.tanh(x @ w)) for w in p.values())  # noqa: E731
+    explicit = (AxisType.Explicit,)
+    mesh = jax.make_mesh((8,), ("fsdp",), axis_types=explicit)
+    errors = gradient_errors(mesh, P("fsdp", None), {"a": a, "b": a}, loss)
+    assert abs(correlation(errors["a"], errors["b"])) < 0.1
+    mesh = jax.make_mesh((4, 2), ("fsdp", "model"), axis_types=explicit * 2)
+    errors = gradient_errors(mesh, P("fsdp", "model"), {"w": jnp.concatenate([a, a], 1)},
+                             loss)["w"]
+    assert abs(correlation(errors[:, :256], errors[:, 256:])) < 0.1
+
+
+def test_fsdp_leaves_of_a_second_differentiated_argument():
+    """argnums=(0, 1), each argument with a row-sharded leaf (and a replicated one): exact
+    codecs give jax.grad's gradients, each sharded like its parameter."""
+    mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(AxisType.Explicit,))
+    keys = jax.random.split(jax.random.key(6), 4)
+    with jax.set_mesh(mesh):
+        rows, whole = NamedSharding(mesh, P("fsdp", None)), NamedSharding(mesh, P())
+        first = {"w": jax.device_put(jax.random.normal(keys[0], (256, 128)) / 16, rows)}
+        second = {"v": jax.device_put(jax.random.normal(keys[1], (128, 64)) / 8, rows),
+                  "c": jax.device_put(jax.random.normal(keys[2], (64,)), whole)}
+        x = jax.device_put(jax.random.normal(keys[3], (64, 256)), rows)
+
+        def loss(first, second, x):
+            return jnp.mean(jnp.tanh(jnp.tanh(x @ first["w"]) @ second["v"] + second["c"]))
+
+        grad_fn = cgx.value_and_grad(loss, axis_name="fsdp", argnums=(0, 1), policy=EXACT,
+                                     weight_policy=EXACT)
+        value, got = jax.jit(grad_fn)(first, second, x, step=jnp.int32(0))
+        want_value, want = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(first, second, x)
+    np.testing.assert_allclose(float(value), float(want_value), rtol=1e-5)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for g, w, p in zip(jax.tree.leaves(got), jax.tree.leaves(want),
+                       jax.tree.leaves((first, second))):
+        assert g.sharding.is_equivalent_to(p.sharding, g.ndim), (g.sharding, p.sharding)
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-7)
+
+
+
+class TiedNet(nnx.Module):
+    """One kernel read twice (tied weights): ``relu(x @ w) @ w``."""
+
+    def __init__(self, din, dmid, dout, *, rngs, kernel_axes=("fsdp", None)):
+        init = nnx.with_partitioning(nnx.initializers.lecun_normal(), kernel_axes)
+        self.w = nnx.Param(init(rngs.params(), (din, din)))
+
+    def __call__(self, x):
+        return nnx.relu(x @ self.w[...]) @ self.w[...]
+
+
+def test_a_weight_read_twice_is_refused_under_packets():
+    """Tied weights under keep_for_backward='packets': each read would reduce-scatter its own
+    part of the gradient (twice the bytes, the same noise twice), so it is a clear error;
+    the default decodes once and gives nnx's gradient within the codec's error."""
+    mesh = fsdp_mesh()
+    model, _ = fs.make_model(mesh, sizes=(128, 128, 128), cls=TiedNet)
+    with pytest.raises(ValueError, match=r"reads the FSDP weight .*'w'.* 2 times .*"
+                                         r"keep_for_backward='weights'"):
+        grads_of(mesh, model, True, keep_for_backward="packets")
+    _, grads = grads_of(mesh, model, True)
+    _, exact = grads_of(mesh, model, False)
+    assert_like_nnx(grads, exact, model)
+    assert max(relative_errors(grads, exact)) < 0.2

@@ -354,9 +354,10 @@ def test_link_bad_arguments(capsys, args, message):
 
 
 def test_initialize_takes_the_launchers_heartbeat_timeout():
-    """initialize() passes jax.distributed the launcher's CGX_JAX_HEARTBEAT_TIMEOUT (rounded
-    up to whole seconds), its own default without it, and an argument over both (in a fresh
-    interpreter, with jax.distributed.initialize recorded instead of run)."""
+    """initialize() passes jax.distributed the launcher's CGX_JAX_HEARTBEAT_TIMEOUT
+    (rounded up to whole seconds: 3.2 is 4), its own default without it, and an argument
+    over both (in a fresh interpreter, with jax.distributed.initialize recorded instead of
+    run)."""
     script = (
         "import os, jax\n"
         "from cgx_jax import launch\n"
@@ -365,7 +366,7 @@ def test_initialize_takes_the_launchers_heartbeat_timeout():
         "os.environ.update({launch.ENV_PROCESS_ID: '0', launch.ENV_NUM_PROCESSES: '1',\n"
         "                   launch.ENV_COORDINATOR: '127.0.0.1:1'})\n"
         "launch.initialize(exit_on_exception=False)\n"
-        "os.environ[launch.ENV_HEARTBEAT_TIMEOUT] = '3.5'\n"
+        "os.environ[launch.ENV_HEARTBEAT_TIMEOUT] = '3.2'\n"
         "launch.initialize(exit_on_exception=False)\n"
         "launch.initialize(exit_on_exception=False, heartbeat_timeout=30)\n"
         "print(seen)\n")
@@ -374,3 +375,23 @@ def test_initialize_takes_the_launchers_heartbeat_timeout():
                           timeout=120, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == [f"[{launch.DEFAULT_HEARTBEAT_TIMEOUT},", "4,", "30]"]
+
+
+def test_each_rank_s_environment_keeps_the_users_platform_and_flags():
+    """A rank's environment: its id and count, the coordinator, its device count replacing
+    the user's own in XLA_FLAGS (other flags kept), and the user's JAX_PLATFORMS kept (CPU
+    only where none is set)."""
+    from cgx_jax._src.ranks import SITE, child_environment
+
+    base = {"JAX_PLATFORMS": "cuda", "PYTHONPATH": "/mine",
+            "XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_dump_to=/tmp/d"}
+    env = child_environment(1, 3, 4, 1234, base=base, heartbeat_timeout=2.5, restart=2)
+    assert env["JAX_PLATFORMS"] == "cuda"
+    assert env["XLA_FLAGS"].split() == ["--xla_dump_to=/tmp/d",
+                                        "--xla_force_host_platform_device_count=4"]
+    assert env["PYTHONPATH"].split(os.pathsep) == [SITE, "/mine"]
+    assert (env[launch.ENV_PROCESS_ID], env[launch.ENV_NUM_PROCESSES]) == ("1", "3")
+    assert env[launch.ENV_COORDINATOR] == env["JAX_COORDINATOR_ADDRESS"] == "127.0.0.1:1234"
+    assert env[launch.ENV_HEARTBEAT_TIMEOUT] == "2.5" and env[launch.ENV_RESTART_COUNT] == "2"
+    assert base["JAX_PLATFORMS"] == "cuda" and "PYTHONUNBUFFERED" not in base  # a copy
+    assert child_environment(0, 2, 1, 1234, base={})["JAX_PLATFORMS"] == "cpu"

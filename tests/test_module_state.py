@@ -177,6 +177,42 @@ def test_batch_statistics_are_the_global_batchs(cpu_devices, shape, error_feedba
     assert not np.allclose(model.norm.var[...], reference.norm.var[...], rtol=1e-3)
 
 
+class FSDPNet(nnx.Module):
+    """BatchNormNet with its kernel sharded over 'data' (FSDP) and a dropout after it."""
+
+    def __init__(self, rngs):
+        init = nnx.with_partitioning(nnx.initializers.lecun_normal(), ("data", None))
+        self.linear = nnx.Linear(16, 64, kernel_init=init, rngs=rngs)
+        self.norm = nnx.BatchNorm(64, momentum=0.9, rngs=rngs)
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+    def __call__(self, x):
+        return self.drop(self.norm(self.linear(x)))
+
+
+def test_fsdp_modules_write_back_their_batch_statistics_and_rng_counts(cpu_devices):
+    """Under FSDP (the kernel gathered inside the loss) the module's other state is written
+    back from the gathered module: BatchNorm's running statistics as for data parallelism,
+    the dropout stream advanced as nnx.value_and_grad advances it."""
+    mesh = mesh_of(cpu_devices, (8,))
+    x = batch()
+    with jax.set_mesh(mesh):
+        model = nnx.jit(lambda: FSDPNet(nnx.Rngs(0)))()
+        nnx.update(model, jax.device_put(nnx.state(model), nnx.get_named_sharding(
+            nnx.state(model), mesh)))
+        reference = nnx.jit(lambda: FSDPNet(nnx.Rngs(0)))()
+        _, grads = cgx_step(mesh, False)(model, x, jnp.int32(0))
+        nnx.value_and_grad(bn_loss)(reference, x)  # GSPMD's: one global batch
+    spec = model.linear.kernel[...].sharding.spec
+    assert spec[0] == "data" and grads["linear"]["kernel"][...].sharding.spec[0] == "data"
+    want_mean, want_var = expected_statistics(reference, x, 8)
+    np.testing.assert_allclose(model.norm.mean[...], reference.norm.mean[...], rtol=1e-5,
+                               atol=1e-6)
+    np.testing.assert_allclose(model.norm.var[...], want_var, rtol=1e-4, atol=1e-6)
+    assert np.any(np.asarray(want_mean) != 0)
+    assert int(model.drop.rngs.count[...]) == int(reference.drop.rngs.count[...]) == 1
+
+
 @pytest.mark.parametrize("error_feedback", (False, True), ids=("plain", "error_feedback"))
 @pytest.mark.parametrize("shape", ((8,), (2, 4)), ids=("8", "2x4"))
 def test_dropout_advances_and_differs_between_participants(cpu_devices, shape, error_feedback):

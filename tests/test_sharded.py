@@ -81,11 +81,12 @@ def test_a_pytree_gathers_small_leaves_exactly_and_fuses_the_rest():
     for name in ("w1", "w2"):
         want = np.concatenate([roundtrip(s, W8) for s in tree[name]], axis=0)
         np.testing.assert_array_equal(got[name][0], want)
-    # Two codecs: two segments, the second decoded from its own offset in the packets.
-    two = cgx.LayerPolicy(default=W8, overrides={"^w2$": W4N})
+    # Three codecs: three segments, each decoded from its own offset in the packets (the
+    # third's offset is the sum of the two before it).
+    three = cgx.LayerPolicy(default=W8, overrides={"^w2$": W4N, "^small$": W6N})
     split = run_sharded(lambda t: cgx.compressed_all_gather(t, "batch", tiled=True,
-                                                            policy=two), tree, N)
-    for name, codec in (("w1", W8), ("w2", W4N)):
+                                                            policy=three), tree, N)
+    for name, codec in (("w1", W8), ("w2", W4N), ("small", W6N)):
         want = np.concatenate([roundtrip(s, codec) for s in tree[name]], axis=0)
         np.testing.assert_array_equal(split[name][0], want)
     every = run_sharded(lambda t: cgx.compressed_all_gather(t, "batch", tiled=True, codec=W8),
@@ -231,6 +232,7 @@ def test_psum_scatter_sums_decoded_peers_and_the_raw_own_slice(dim, tiled, dtype
 
 
 W4N = cgx.Codec(bits=4, bucket_size=128, rounding="nearest")
+W6N = cgx.Codec(bits=6, bucket_size=32, rounding="nearest")
 SCATTER_POLICY = cgx.LayerPolicy(default=W8, min_size=100, overrides={"^w$": W4N})
 
 

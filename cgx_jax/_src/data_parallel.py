@@ -136,7 +136,8 @@ def value_and_grad(fun: Callable, *, mesh: Mesh | None = None, axis_name: str, a
         keeping it (the bytes on the wire are the same). For accelerators: XLA:CPU drops
         ``jax.checkpoint``'s barriers, so there it keeps the same memory
         (docs/performance.md). Leaves also sharded over another mesh axis, and parameters
-        not in an NNX module, are decoded at the start.
+        not in an NNX module, are decoded at the start. A weight the model reads twice
+        (tied weights) is a ``ValueError``: read it once, or keep ``"weights"``.
 
     FSDP: a parameter whose spec shards one dimension over ``axis_name`` (GSPMD FSDP, as
     ``nnx.with_partitioning(init, (axis_name, None))`` or ``P(axis_name, None)`` writes it)

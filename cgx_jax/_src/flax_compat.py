@@ -8,6 +8,8 @@ from __future__ import annotations
 import functools
 import sys
 
+import jax
+
 
 def nnx():
     """``flax.nnx`` if the program has imported Flax, else ``None``."""
@@ -45,11 +47,19 @@ def is_optimizer_or_state(value) -> bool:
 
 def decoded_at_use(value: tuple, decode):
     """An ``nnx.Param`` that holds ``value`` (a tuple of arrays) and reads as
-    ``decode(*value)`` wherever the model reads it (``variable[...]``, ``.value``, ``.shape``,
-    ``jnp`` of it): a weight decoded where it is used, so that a layer under ``nnx.remat``
-    decodes it again in the backward pass instead of keeping it. A ``Variable`` subclass
-    overriding ``get_value``, as Flax asks instead of its deprecated hooks."""
-    return _decoded_param_type()(value, decode=decode)
+    ``decode(*value)`` wherever the model reads it (``variable[...]``, ``.value``, ``jnp`` of
+    it; ``.shape``, ``.dtype``, ``.ndim`` and ``.size`` come from the decoded array's
+    abstract value, decoding nothing): a weight decoded where it is used, so that a layer
+    under ``nnx.remat`` decodes it again in the backward pass instead of keeping it. A
+    ``Variable`` subclass overriding ``get_value``, as Flax asks instead of its deprecated
+    hooks. ``decode_count(variable)`` says how often it was decoded."""
+    return _decoded_param_type()(value, decode=decode, decodes=[0])
+
+
+def decode_count(variable) -> int | None:
+    """How many times a ``decoded_at_use`` parameter was decoded (None for another one)."""
+    decodes = variable.get_metadata().get("decodes") if is_variable(variable) else None
+    return None if decodes is None else decodes[0]
 
 
 @functools.cache
@@ -60,11 +70,18 @@ def _decoded_param_type():
         """A parameter decoded from what it holds each time it is read."""
 
         def get_value(self, *, index=MISSING):
-            value = self.get_metadata()["decode"](*self.get_raw_value())
+            metadata = self.get_metadata()
+            metadata["decodes"][0] += 1
+            value = metadata["decode"](*self.get_raw_value())
             return value if index is MISSING or index is ... else value[index]
 
         def __getattr__(self, name: str):  # .dtype, .ndim, .T: the decoded array's
             metadata = object.__getattribute__(self, "_var_metadata")
-            return metadata[name] if name in metadata else getattr(self.get_value(), name)
+            if name in metadata:
+                return metadata[name]
+            if name in ("shape", "dtype", "ndim", "size"):  # no decode for what is static
+                return getattr(jax.eval_shape(metadata["decode"], *self.get_raw_value()),
+                               name)
+            return getattr(self.get_value(), name)
 
     return DecodedAtUse

@@ -44,7 +44,7 @@ def gathering_loss(call):
     nnx = flax_compat.nnx
 
     def loss(*args):
-        args, modules = list(args), {}
+        args, modules, decoded = list(args), {}, []
         for i, by_path in call.fsdp_paths.items():
             if not by_path:
                 continue
@@ -54,15 +54,34 @@ def gathering_loss(call):
                 at_use = call.keep_for_backward == "packets"
                 gathered = (_decoding_at_use(call, i, state) if at_use
                             else _gather_fsdp_leaves(call, i, state))
+                decoded.append(gathered)
                 args[i] = nnx().merge(graph, gathered)
             else:
                 args[i] = _gather_fsdp_leaves(call, i, args[i])
         out = call.loss(*args)
+        _check_decoded_once(decoded)
         for i, module in modules.items():  # its other state, as the loss left it
             nnx().update(module, nnx().state(args[i], nnx().Not(nnx().Param)))
         return out
 
     return loss
+
+
+def _check_decoded_once(states) -> None:
+    """A ``ValueError`` if the model read a weight decoded at use more than once: each read
+    decodes it again, and the backward pass reduce-scatters each read's part of the gradient
+    on its own (twice the bytes, the same noise twice) instead of the gradient once."""
+    for state in states:
+        flat = jax.tree_util.tree_flatten_with_path(state, is_leaf=flax_compat.is_variable)[0]
+        for path, variable in flat:
+            count = flax_compat.decode_count(variable)
+            if count is not None and count > 1:
+                name = jax.tree_util.keystr(path)
+                raise ValueError(
+                    f"cgx.value_and_grad(..., keep_for_backward='packets'): the model reads "
+                    f"the FSDP weight {name} {count} times (tied weights?); each read would "
+                    f"decode it and reduce-scatter its own part of the gradient. Read it "
+                    f"once (x = w[...], then use x), or pass keep_for_backward='weights'")
 
 
 def _gather_fsdp_leaves(call, i: int, tree):
@@ -132,9 +151,11 @@ def _gather_fsdp_leaf(call, j: int, shard, key):
     if not axes:
         return gather(shard, key)
 
-    def on_block(block):
+    def on_block(block, key):
         block_key = None if key is None else jax.random.fold_in(key, lax.axis_index(axes))
         return to_local(gather(block, block_key), axes)
 
-    return jax.shard_map(on_block, in_specs=other, out_specs=other, axis_names=set(axes))(
-        lay_out(shard, other, call.mesh))
+    # The key goes in as an argument: shard_map cannot close over a value typed by an
+    # explicit axis (a traced key is, on an explicit mesh).
+    return jax.shard_map(on_block, in_specs=(other, P()), out_specs=other,
+                         axis_names=set(axes))(lay_out(shard, other, call.mesh), key)

@@ -9,12 +9,14 @@ over the data axis, parameters replicated), and measures the held-out loss every
 - ``cgx``: ``cgx.value_and_grad`` with the library's defaults (``LayerPolicy()``: 4 bits
   stochastic, buckets of 128, leaves of 16,384+ values and 2+ dimensions);
 - ``cgx ef``: the same with ``error_feedback=True`` (the residual carried step to step);
-- ``adaptive``: per-layer bits fitted by ``cgx.fit_policy`` on the first batch's summed
-  gradient, within uniform 4 bits' bytes;
+- ``adaptive``: per-layer bits fitted by ``cgx.fit_policy`` (its default relative errors)
+  on the first batch's summed gradient, within uniform 4 bits' bytes;
 - the variants (only when ``--modes`` names them): the defaults with one thing changed:
   ``cgx 8b``, ``cgx bucket 256``, ``cgx bucket 1024`` (the default before 0.1.0's change),
   ``cgx uncompressed`` (every leaf exact, through the per-participant path), ``cgx exact
-  embed``, ``cgx exact out`` (the embedding or the output layer exact).
+  embed``, ``cgx exact out`` (the embedding or the output layer exact), ``cgx ef nearest``
+  (error feedback with nearest rounding), ``adaptive squared`` (fitted on squared errors,
+  ``fit_policy``'s measure before 0.1.0's change).
 
 Every mode uses AdamW with a linear warmup and a cosine decay to a tenth, so the exact
 held-out loss flattens by the last step. Tasks: ``lm`` (``text_lm``), a byte-level decoder on
@@ -58,7 +60,10 @@ VARIANTS = {
     "cgx uncompressed": lambda cgx: cgx.LayerPolicy(default=None),
     "cgx exact embed": lambda cgx: cgx.LayerPolicy(exclude=("^embed",)),
     "cgx exact out": lambda cgx: cgx.LayerPolicy(exclude=("^out$", "^head/")),
+    "cgx ef nearest": lambda cgx: cgx.LayerPolicy(default=cgx.Codec(rounding="nearest")),
 }
+# Fitted on the first batch, with fit_policy's error measure.
+ADAPTIVE = {"adaptive": "relative", "adaptive squared": "squared"}
 AXIS = "data"
 TASKS = ("lm", "digits")
 # Each task's model and training, where the command line leaves them out.
@@ -145,10 +150,11 @@ def _policies(modes, mesh, task) -> dict:
     for mode in modes:
         if mode == "exact":
             policies[mode] = None
-        elif mode == "adaptive":
+        elif mode in ADAPTIVE:
             summed = summed_gradient(mesh, AXIS, lambda p, batch: task.loss(p, *batch),
                                      task.params, task.batch(0))
-            policies[mode] = cgx.fit_policy(summed, budget_bits=4.0, base=cgx.LayerPolicy())
+            policies[mode] = cgx.fit_policy(summed, budget_bits=4.0, base=cgx.LayerPolicy(),
+                                            error=ADAPTIVE[mode])
         else:
             policies[mode] = VARIANTS[mode](cgx) if mode in VARIANTS else cgx.LayerPolicy()
     return policies
@@ -156,7 +162,7 @@ def _policies(modes, mesh, task) -> dict:
 
 def _step_fn(mode, policy, mesh, loss_fn, tx, seed):
     """The jitted step ``(params, opt_state, residual, batch, i) -> (params, opt_state,
-    residual, loss)`` of ``mode`` (``residual`` is None but under ``cgx ef``)."""
+    residual, loss)`` of ``mode`` (``residual`` is None but under ``cgx ef*``)."""
     import jax
     import optax
 
@@ -167,7 +173,7 @@ def _step_fn(mode, policy, mesh, loss_fn, tx, seed):
     else:
         grad_fn = cgx.value_and_grad(loss_fn, mesh=mesh, axis_name=AXIS, policy=policy,
                                      key=jax.random.key(seed),
-                                     error_feedback=mode == "cgx ef")
+                                     error_feedback=mode.startswith("cgx ef"))
 
     @jax.jit
     def step(params, opt_state, residual, batch, i):
@@ -198,7 +204,7 @@ def _train(mode, policy, args, mesh, task, tx) -> dict:
     opt_state = jax.device_put(tx.init(task.params), replicated)
     step, grad_fn = _step_fn(mode, policy, mesh, task.loss, tx, args.seed)
     residual = (cgx.init_residual(params, mesh=mesh, axis_name=AXIS, policy=grad_fn)
-                if mode == "cgx ef" else None)
+                if mode.startswith("cgx ef") else None)
     held = jax.device_put(task.held_out, replicated)
     evaluate = jax.jit(lambda p: (task.loss(p, *held),
                                   task.accuracy(p, *held) if task.accuracy else jnp.nan))
@@ -488,9 +494,10 @@ def main(argv=None) -> int:
     p.add_argument("--task", default="lm", choices=TASKS,
                    help="lm: a byte-level decoder on the standard library's sources; digits: "
                         "a ViT on noisy handwritten digits (needs scikit-learn)")
-    p.add_argument("--modes", nargs="+", default=list(MODES), choices=[*MODES, *VARIANTS],
+    variants = [*VARIANTS, *(m for m in ADAPTIVE if m not in MODES)]
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=[*MODES, *variants],
                    help=f"default: {' '.join(MODES)}; variants of the defaults: "
-                        f"{', '.join(VARIANTS)}")
+                        f"{', '.join(variants)}")
     p.add_argument("--participants", type=int, default=4,
                    help="simulated devices over the data axis (default 4)")
     defaults = ", ".join(f"{task}: {values}" for task, values in TASK_DEFAULTS.items())

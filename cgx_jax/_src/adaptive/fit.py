@@ -46,6 +46,11 @@ from cgx_jax._src.validation import check_choice
 DEFAULT_CELLS = 2000
 DEFAULT_BUDGET_BITS = 4  # the size budget when neither budget is given
 OBJECTIVES = ("error", "bytes")
+# How a leaf's quantization error counts. "relative": over the leaf's mean square, as an
+# Adam-style optimizer sees it (it divides each parameter's step by the gradient's running
+# magnitude, so the same error moves a leaf of small gradients further); "squared": as is,
+# as plain SGD sees it. Measured in docs/performance.md ("Adaptive bits").
+ERROR_MEASURES = ("relative", "squared")
 
 
 def knapsack(values: np.ndarray, costs: np.ndarray, capacity: int):
@@ -108,10 +113,14 @@ def _solve(minimise: np.ndarray, limited: np.ndarray, limit, cells: int, uniform
 def fit_policy(grads_or_table, *, budget_bits: float | None = None,
                time_budget: float | None = None, link=None, choices=None, bucket_size=None,
                base: LayerPolicy = LayerPolicy(), objective: str = "error",
-               cells: int = DEFAULT_CELLS) -> LayerPolicy:
+               error: str = "relative", cells: int = DEFAULT_CELLS) -> LayerPolicy:
     """Per-leaf bit widths under a size or time budget, by an exact dynamic program.
 
-    Size (``budget_bits``, the default: 4): ``objective="error"`` minimises the total squared
+    The error of a leaf is its squared quantization error over its mean square
+    (``error="relative"``, the default: what an Adam-style optimizer, which normalises each
+    parameter's step, sees) or the squared error as is (``error="squared"``: what SGD sees).
+
+    Size (``budget_bits``, the default: 4): ``objective="error"`` minimises the total
     error subject to total packet bytes <= the bytes of every candidate at ``budget_bits``. A
     ``budget_bits`` between choices is priced as ``buckets * (8 + bucket_size * budget_bits /
     8)`` bytes per leaf. ``objective="bytes"`` minimises the total bytes subject to total
@@ -119,7 +128,7 @@ def fit_policy(grads_or_table, *, budget_bits: float | None = None,
     errors are discretised. See the module docstring for the discretisation: the budget always
     holds for the real costs, and the result is never worse than uniform ``budget_bits``.
 
-    Time (``time_budget`` seconds on ``link``, Kimad-style): minimises the total squared
+    Time (``time_budget`` seconds on ``link``, Kimad-style): minimises the total
     error subject to the step's all-reduce taking at most ``time_budget`` as ``cgx.estimate``
     predicts it on that link (per wire byte, per value, a latency per codec in use, and the
     exact ``psum`` of the leaves ``base`` keeps exact); never worse than the best uniform
@@ -138,13 +147,15 @@ def fit_policy(grads_or_table, *, budget_bits: float | None = None,
       base: the policy deciding which leaves are candidates; the result is ``base`` with one
         ``overrides`` entry ``^<path>$`` per candidate (rounding: ``base.default``'s).
       objective: ``"error"`` or ``"bytes"`` (``"error"`` only with ``time_budget``).
+      error: ``"relative"`` or ``"squared"``; a table without ``squares`` (built by hand)
+        is fitted on its squared errors, with a ``UserWarning``.
       cells: resolution of the dynamic program.
 
     Returns:
       ``base`` with one override per candidate leaf: the fitted ``LayerPolicy``.
 
     Raises:
-      ValueError: a bad ``objective``, ``cells``, width or budget; both budgets, or
+      ValueError: a bad ``objective``, ``error``, ``cells``, width or budget; both budgets, or
         ``time_budget`` without ``link``; non-finite errors.
       TypeError: a ``base`` that is not a ``LayerPolicy``, or a ``link`` that is neither a
         ``LinkProfile`` nor a path.
@@ -155,19 +166,24 @@ def fit_policy(grads_or_table, *, budget_bits: float | None = None,
         >>> k1, k2 = jax.random.split(jax.random.key(0))
         >>> grads = {"a": jax.random.normal(k1, (64, 64)),
         ...          "b": 0.01 * jax.random.normal(k2, (64, 64))}
-        >>> policy = cgx.fit_policy(grads, budget_bits=4, bucket_size=256,
+        >>> policy = cgx.fit_policy(grads, budget_bits=4, bucket_size=256, error="squared",
         ...                         base=cgx.LayerPolicy(min_size=0))
         >>> [codec.bits for _, codec in policy.overrides]  # the larger gradient gets more bits
         [6, 2]
+        >>> relative = cgx.fit_policy(grads, budget_bits=4, bucket_size=256,
+        ...                           base=cgx.LayerPolicy(min_size=0))
+        >>> [codec.bits for _, codec in relative.overrides]  # the same shape: the same bits
+        [4, 4]
         >>> link = cgx.LinkProfile(processes=4, exact_latency=1e-3, seconds_per_byte=1e-8,
         ...                        compressed_latency=1e-3, seconds_per_wire_byte=1e-6,
         ...                        seconds_per_value=0.0)
         >>> timed = cgx.fit_policy(grads, time_budget=0.006, link=link, bucket_size=256,
-        ...                        base=cgx.LayerPolicy(min_size=0))
+        ...                        error="squared", base=cgx.LayerPolicy(min_size=0))
         >>> [codec.bits for _, codec in timed.overrides]  # two codecs, two 1 ms latencies
         [5, 2]
     """
     check_choice("objective", objective, OBJECTIVES)
+    check_choice("error", error, ERROR_MEASURES)
     if isinstance(cells, bool) or not isinstance(cells, numbers.Integral) or cells < 1:
         raise ValueError(f"cells must be a positive int, got {cells!r}")
     check_policy(base, "base")
@@ -183,6 +199,8 @@ def fit_policy(grads_or_table, *, budget_bits: float | None = None,
     errors = table.host_errors()
     if not np.all(np.isfinite(errors)):
         raise ValueError("the error table holds NaN or infinite errors (non-finite gradients?)")
+    if error == "relative":
+        errors = relative_errors(table, errors)
     if profile is not None:
         chosen = _fit_to_time(table, errors, time_budget, profile, cells)
     else:
@@ -195,6 +213,20 @@ def fit_policy(grads_or_table, *, budget_bits: float | None = None,
     patterns = {p for p, _ in fitted}
     kept = tuple((p, c) for p, c in base.overrides if p not in patterns)
     return dataclasses.replace(base, overrides=fitted + kept)
+
+
+def relative_errors(table: ErrorTable, errors: np.ndarray) -> np.ndarray:
+    """``errors`` over each leaf's mean square (a leaf of zeros: no error at any width); a
+    table without ``squares`` keeps its squared errors, with a warning."""
+    squares = table.host_squares()
+    if squares is None:
+        warnings.warn("this ErrorTable has no squares (measure it with cgx.layer_errors): "
+                      "fitted on its squared errors, as error='squared'", UserWarning,
+                      stacklevel=3)
+        return errors
+    mean_square = squares / np.asarray(table.sizes, np.float64)
+    safe = np.where(mean_square > 0, mean_square, 1.0)
+    return np.where(mean_square[:, None] > 0, errors / safe[:, None], 0.0)
 
 
 def _fit_to_size(table: ErrorTable, errors, budget_bits, objective: str, cells):
@@ -270,8 +302,10 @@ def _fit_to_time(table: ErrorTable, errors, seconds: float, profile: LinkProfile
             room = seconds - fixed - profile.compressed_latency * count
             if room < 0:
                 continue
+            # Down to whole bytes (up would overrun the budget); + 1e-9: a budget equal to an
+            # assignment's time, up to float rounding, fits it.
             limit = (most if profile.seconds_per_wire_byte <= 0
-                     else min(most, math.floor(room / profile.seconds_per_wire_byte)))
+                     else min(most, math.floor(room / profile.seconds_per_wire_byte + 1e-9)))
             sub = list(widths)
             chosen = _solve(errors[:, sub], table.bytes[:, sub], limit, cells,
                             table.bytes[:, sub].sum(axis=0) <= limit)
@@ -304,7 +338,8 @@ def _select(table: ErrorTable, choices, bucket_size) -> ErrorTable:
         raise ValueError(f"choices {choices} are not all in the table's {table.choices}")
     columns = [table.choices.index(b) for b in choices]
     return ErrorTable(table.paths, table.sizes, table.host_errors()[:, columns],
-                      table.bytes[:, columns], choices, table.bucket_size, table.exact_bytes)
+                      table.bytes[:, columns], choices, table.bucket_size, table.exact_bytes,
+                      table.host_squares())
 
 
 def check_budget(budget_bits, choices, objective: str):

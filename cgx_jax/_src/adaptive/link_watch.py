@@ -44,6 +44,8 @@ class LinkWatch:
         (``link`` then holds the new estimate; the next window compares against it).
       compute_seconds: the step's compute as the first window calibrated it (None before).
       profile: the starting ``link``.
+      slowdown: the per-byte cost of ``link`` over the profile's (1.0 until a change is
+        seen; 3.0: the link is 3x slower).
       last_probe_seconds: how long the last ``probe`` call took (0.0 before).
 
     Args:
@@ -69,7 +71,7 @@ class LinkWatch:
         ...     slow = 3 if step >= 10 else 1  # 2.36 MB of packets at 8 ns/byte: 18.9 ms
         ...     if watch.observe(0.1 + allreduce + (slow - 1) * 0.0189, policy):
         ...         refits.append(step)  # the loop would refit_policy(..., link=watch.link)
-        >>> refits, round(watch.link.seconds_per_wire_byte / link.seconds_per_wire_byte, 1)
+        >>> refits, round(watch.slowdown, 1)
         ([14], 3.0)
     """
 
@@ -84,6 +86,9 @@ class LinkWatch:
         self.link, self.profile, self.tree = link, link, tree
         self.tolerance, self.window = float(tolerance), int(window)
         self.changed = False
+        # Kept apart, not read back as a ratio of the profiles' per-byte costs: a fit of a
+        # kernel-bound link can set the profile's seconds_per_wire_byte to exactly 0.
+        self.slowdown = 1.0
         self.compute_seconds: float | None = None  # calibrated by the first window
         self._pending: list[tuple[float, LayerPolicy]] = []
         self._split_cache: dict = {}
@@ -123,11 +128,8 @@ class LinkWatch:
             # Steps faster than the calibrated compute and the model allow: the all-reduce
             # did not show above the noise. No estimate of the rate (not a free link), but
             # after a slowdown it says the link recovered, at least to the profile's rate.
-            scale = min(1.0, self.profile.seconds_per_wire_byte / self.link.seconds_per_wire_byte)
-        self.changed = abs(scale - 1.0) > self.tolerance
-        if self.changed:
-            self._rescale(scale)
-        return self.changed
+            return self._move_to(min(self.slowdown, 1.0))
+        return self._move_to(self.slowdown * scale)
 
     def observe_probe(self, seconds: float, nbytes: int) -> bool:
         """Re-estimates the rate from one timed exact all-reduce of ``nbytes`` of f32 per
@@ -143,11 +145,10 @@ class LinkWatch:
         profile = self.profile
         measured = ((seconds - profile.exact_latency) / (profile.seconds_per_byte * nbytes)
                     if profile.seconds_per_byte > 0 else 0.0)  # the rate over the profile's
-        current = self.link.seconds_per_wire_byte / profile.seconds_per_wire_byte
-        self.changed = measured > 0 and abs(measured / current - 1.0) > self.tolerance
-        if self.changed:
-            self._rescale(measured / current)
-        return self.changed
+        if measured <= 0:
+            self.changed = False
+            return False
+        return self._move_to(measured)
 
     def probe(self, mesh, axis_name, *, values: int = 1 << 18, repeats: int = 3) -> bool:
         """Times ``repeats`` exact ``lax.psum``s of ``values`` f32 per participant over
@@ -200,14 +201,20 @@ class LinkWatch:
         self.last_probe_seconds = time.perf_counter() - begin
         return self.observe_probe(seconds, 4 * values)
 
-    def _rescale(self, scale: float) -> None:
-        """``link`` with its per-byte costs times ``scale``."""
-        rate = self.link.seconds_per_wire_byte * scale / self.profile.seconds_per_wire_byte
-        self.link = dataclasses.replace(
-            self.link, seconds_per_byte=self.link.seconds_per_byte * scale,
-            seconds_per_wire_byte=self.link.seconds_per_wire_byte * scale,
-            description=f"{self.profile.description} (rate x{1 / rate:.2f})")
-        self._split_cache.clear()
+    def _move_to(self, slowdown: float) -> bool:
+        """Whether ``slowdown`` (the per-byte cost over the profile's) differs from the
+        current one by more than ``tolerance``; if so, ``link`` becomes the profile with its
+        per-byte costs times ``slowdown``."""
+        self.changed = abs(slowdown / self.slowdown - 1.0) > self.tolerance
+        if self.changed:
+            self.slowdown = slowdown
+            profile = self.profile
+            self.link = dataclasses.replace(
+                profile, seconds_per_byte=profile.seconds_per_byte * slowdown,
+                seconds_per_wire_byte=profile.seconds_per_wire_byte * slowdown,
+                description=f"{profile.description} (rate x{1 / slowdown:.2f})")
+            self._split_cache.clear()
+        return self.changed
 
     def _split(self, policy: LayerPolicy) -> tuple[float, float]:
         """``(seconds that do not scale with the rate, seconds per byte term)`` of

@@ -26,14 +26,16 @@ class ErrorTable:
     Attributes:
       paths: the ``a/b/c`` names of the candidate leaves (those the base policy compresses).
       sizes: their numbers of values.
-      errors: ``f32[leaves, choices]`` squared L2 error (the only pytree leaf, so a table can
-        be all-reduced, averaged and kept in an optimizer state; under ``pmap`` it gains a
-        leading replica axis, which ``fit_policy`` drops).
+      errors: ``f32[leaves, choices]`` squared L2 error (a pytree leaf, with ``squares``, so
+        a table can be all-reduced, averaged and kept in an optimizer state; under ``pmap``
+        it gains a leading replica axis, which ``fit_policy`` drops).
       bytes: ``int64[leaves, choices]`` packet bytes (static numpy).
       choices: the candidate bit widths, ascending.
       bucket_size: the bucket size of every candidate codec.
       exact_bytes: the f32 bytes of the floating leaves the base policy keeps exact (what
         the step's exact ``psum`` sends; a time budget counts them).
+      squares: ``f32[leaves]``, each leaf's sum of squared values (what ``fit_policy``'s
+        ``error="relative"`` divides by), or None for a table built without them.
 
     Example:
         >>> import jax.numpy as jnp, cgx_jax as cgx
@@ -44,7 +46,7 @@ class ErrorTable:
     """
 
     def __init__(self, paths, sizes, errors, bytes, choices, bucket_size,  # noqa: A002
-                 exact_bytes: int = 0):
+                 exact_bytes: int = 0, squares=None):
         self.paths = tuple(paths)
         self.sizes = tuple(int(s) for s in sizes)
         self.errors = errors
@@ -52,16 +54,18 @@ class ErrorTable:
         self.choices = tuple(choices)
         self.bucket_size = int(bucket_size)
         self.exact_bytes = int(exact_bytes)
+        self.squares = squares
 
     def tree_flatten(self):
         aux = (self.paths, self.sizes, tuple(map(tuple, self.bytes.tolist())), self.choices,
                self.bucket_size, self.exact_bytes)
-        return (self.errors,), aux
+        return (self.errors, self.squares), aux
 
     @classmethod
     def tree_unflatten(cls, aux, children):
         paths, sizes, nbytes, choices, bucket_size, exact_bytes = aux
-        return cls(paths, sizes, children[0], nbytes, choices, bucket_size, exact_bytes)
+        errors, squares = children
+        return cls(paths, sizes, errors, nbytes, choices, bucket_size, exact_bytes, squares)
 
     def __repr__(self):
         return (f"ErrorTable(paths={self.paths}, choices={self.choices}, "
@@ -77,6 +81,13 @@ class ErrorTable:
             raise ValueError(f"errors must be [{len(self.paths)}, {len(self.choices)}] (or with "
                              f"a leading replica axis), got shape {errors.shape}")
         return errors
+
+    def host_squares(self) -> np.ndarray | None:
+        """``squares`` as ``float64[leaves]`` on the host (replica 0 under ``pmap``), or None."""
+        if self.squares is None:
+            return None
+        squares = np.asarray(self.squares, np.float64)
+        return squares[0] if squares.ndim == 2 else squares
 
     def cost(self, bits) -> tuple[float, int]:
         """``(total error, total bytes)`` of per-leaf ``bits`` (one int: uniform)."""
@@ -118,7 +129,8 @@ def check_choices(choices) -> tuple[int, ...]:
 
 def layer_errors(grads, choices=DEFAULT_CHOICES, bucket_size: int = DEFAULT_BUCKET_SIZE, *,
                  base: LayerPolicy = LayerPolicy(), backend: str = "ffi") -> ErrorTable:
-    """Squared quantization error and packet bytes of each candidate leaf at each bit width.
+    """Squared quantization error and packet bytes of each candidate leaf at each bit width,
+    and each leaf's sum of squares.
 
     Candidates are the non-empty leaves ``base`` compresses (``base.resolve_leaves`` not
     ``None``). Each is flattened, cast to f32 and padded to whole buckets by repeating its last
@@ -155,7 +167,7 @@ def layer_errors(grads, choices=DEFAULT_CHOICES, bucket_size: int = DEFAULT_BUCK
     check_policy(base, "base")
     flat = jax.tree_util.tree_flatten_with_path(grads)[0]
     resolved = base.resolve_leaves(grads)
-    paths, sizes, errors, nbytes = [], [], [], []
+    paths, sizes, errors, nbytes, squares = [], [], [], [], []
     exact_bytes = 0
     seed = jnp.zeros((2,), jnp.uint32)
     for (path, leaf), codec in zip(flat, resolved):
@@ -173,8 +185,10 @@ def layer_errors(grads, choices=DEFAULT_CHOICES, bucket_size: int = DEFAULT_BUCK
             row.append(jnp.sum(jnp.square(decoded[0, :leaf.size] - values)))
         paths.append(path_name(path))
         sizes.append(leaf.size)
+        squares.append(jnp.sum(jnp.square(values)))
         errors.append(jnp.stack(row))
         nbytes.append([wire_bytes(leaf.size, codecs[b]) for b in choices])
     errors = jnp.stack(errors) if errors else jnp.zeros((0, len(choices)), jnp.float32)
+    squares = jnp.stack(squares) if squares else jnp.zeros((0,), jnp.float32)
     return ErrorTable(paths, sizes, errors, np.reshape(nbytes, (len(paths), len(choices))),
-                      choices, bucket_size, exact_bytes)
+                      choices, bucket_size, exact_bytes, squares)

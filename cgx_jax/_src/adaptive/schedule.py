@@ -15,6 +15,7 @@ import numpy as np
 
 from cgx_jax._src.adaptive.fit import (
     DEFAULT_BUDGET_BITS,
+    ERROR_MEASURES,
     check_budget,
     check_time_budget,
     fit_policy,
@@ -28,6 +29,7 @@ from cgx_jax._src.adaptive.measure import (
 )
 from cgx_jax._src.codec import Codec
 from cgx_jax._src.policy import LayerPolicy
+from cgx_jax._src.validation import check_choice
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +48,8 @@ class AdaptiveConfig:
       bucket_size: the bucket size of every candidate codec.
       time_budget: the seconds the all-reduce may take: each refit fits the bits to it on
         the link ``refit_policy`` is given (the one last measured), as ``fit_policy`` does.
+      error: how a leaf's error counts, as for ``fit_policy``: ``"relative"`` (over the
+        leaf's mean square; for Adam-style optimizers) or ``"squared"`` (for SGD).
       sample_every: the error table is measured on the first update of each window and then
         on every ``sample_every``-th (an int >= 1; 1: every update). Measuring quantizes
         every gradient at every candidate width, which costs more than the all-reduce on a
@@ -53,8 +57,8 @@ class AdaptiveConfig:
 
     Raises:
       ValueError: a budget outside the choices' range or both budgets, bad choices, a bad
-        bucket size, a ``time_budget`` not a number > 0, or ``every``/``warmup`` not an int
-        of at least 1/0.
+        bucket size or ``error``, a ``time_budget`` not a number > 0, or
+        ``every``/``warmup`` not an int of at least 1/0.
 
     Example:
         >>> import cgx_jax as cgx
@@ -70,9 +74,11 @@ class AdaptiveConfig:
     bucket_size: int = DEFAULT_BUCKET_SIZE
     time_budget: float | None = None
     sample_every: int = 10
+    error: str = "relative"
 
     def __post_init__(self):
         object.__setattr__(self, "choices", check_choices(self.choices))
+        check_choice("error", self.error, ERROR_MEASURES)
         if self.time_budget is None:
             check_budget(DEFAULT_BUDGET_BITS if self.budget_bits is None else self.budget_bits,
                          self.choices, "error")
@@ -109,8 +115,8 @@ def init_adaptive_state(params, config: AdaptiveConfig, base: LayerPolicy) -> Ad
     shapes = jax.tree.map(lambda p: jax.ShapeDtypeStruct(jnp.shape(p), jnp.float32), params)
     table = jax.eval_shape(lambda g: layer_errors(g, config.choices, config.bucket_size,
                                                   base=base), shapes)
-    zeros = jnp.zeros(table.errors.shape, jnp.float32)
-    return AdaptiveState(jax.tree.map(lambda _: zeros, table), jnp.zeros((), jnp.int32))
+    zeros = jax.tree.map(lambda leaf: jnp.zeros(leaf.shape, jnp.float32), table)
+    return AdaptiveState(zeros, jnp.zeros((), jnp.int32))
 
 
 def update_adaptive_state(state: AdaptiveState, grads, axis_name, config: AdaptiveConfig,
@@ -172,7 +178,7 @@ def refit_policy(state_or_table, config: AdaptiveConfig, *,
     table = _find_table(state_or_table)
     return fit_policy(table, budget_bits=config.budget_bits, time_budget=config.time_budget,
                       link=link, choices=config.choices, bucket_size=config.bucket_size,
-                      base=base)
+                      base=base, error=config.error)
 
 
 def _find_table(state) -> ErrorTable:
