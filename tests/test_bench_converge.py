@@ -150,8 +150,9 @@ def test_the_adaptive_modes_fit_the_first_summed_gradient_by_their_error_measure
     policies = converge._policies(["adaptive", "adaptive squared"], mesh, task)
     summed = jax.tree.map(lambda *shares: sum(shares), *(
         jax.grad(loss)(params, batch[k * 4:(k + 1) * 4]) for k in range(4)))
+    table = cgx.layer_errors(summed)
     for mode, error in (("adaptive", "relative"), ("adaptive squared", "squared")):
-        want = cgx.fit_policy(summed, budget_bits=4.0, base=cgx.LayerPolicy(), error=error)
+        want = cgx.fit_policy(table, budget_bits=4.0, base=cgx.LayerPolicy(), error=error)
         assert policies[mode] == want, mode
     assert policies["adaptive"] != policies["adaptive squared"]
 

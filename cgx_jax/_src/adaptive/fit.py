@@ -191,9 +191,7 @@ def fit_policy(grads_or_table, *, budget_bits: float | None = None,
     if isinstance(grads_or_table, ErrorTable):
         table = _select(grads_or_table, choices, bucket_size)
     else:
-        # Jitted: one compiled program instead of an eager dispatch per (leaf, bits).
-        measure = jax.jit(layer_errors, static_argnums=(1, 2), static_argnames="base")
-        table = measure(grads_or_table, check_choices(DEFAULT_CHOICES if choices is None
+        table = _measure(grads_or_table, check_choices(DEFAULT_CHOICES if choices is None
                                                        else choices),
                         DEFAULT_BUCKET_SIZE if bucket_size is None else bucket_size, base=base)
     errors = table.host_errors()
@@ -227,6 +225,11 @@ def relative_errors(table: ErrorTable, errors: np.ndarray) -> np.ndarray:
     mean_square = squares / np.asarray(table.sizes, np.float64)
     safe = np.where(mean_square > 0, mean_square, 1.0)
     return np.where(mean_square[:, None] > 0, errors / safe[:, None], 0.0)
+
+
+# Jitted once, here: one compiled program instead of an eager dispatch per (leaf, bits), and
+# a cache hit when fit_policy measures gradients of the same shapes again.
+_measure = jax.jit(layer_errors, static_argnums=(1, 2), static_argnames="base")
 
 
 def _fit_to_size(table: ErrorTable, errors, budget_bits, objective: str, cells):
