@@ -141,6 +141,11 @@ def digits_task(args) -> Task:
 
 # --------------------------------------------------------------------------- training
 
+def with_residual(mode: str) -> bool:
+    """Whether ``mode`` carries an error-feedback residual (``cgx ef``, ``cgx ef nearest``)."""
+    return mode.startswith("cgx ef")
+
+
 def _policies(modes, mesh, task) -> dict:
     """Each mode's gradient policy (None: exact)."""
     import cgx_jax as cgx
@@ -173,7 +178,7 @@ def _step_fn(mode, policy, mesh, loss_fn, tx, seed):
     else:
         grad_fn = cgx.value_and_grad(loss_fn, mesh=mesh, axis_name=AXIS, policy=policy,
                                      key=jax.random.key(seed),
-                                     error_feedback=mode.startswith("cgx ef"))
+                                     error_feedback=with_residual(mode))
 
     @jax.jit
     def step(params, opt_state, residual, batch, i):
@@ -204,7 +209,7 @@ def _train(mode, policy, args, mesh, task, tx) -> dict:
     opt_state = jax.device_put(tx.init(task.params), replicated)
     step, grad_fn = _step_fn(mode, policy, mesh, task.loss, tx, args.seed)
     residual = (cgx.init_residual(params, mesh=mesh, axis_name=AXIS, policy=grad_fn)
-                if mode.startswith("cgx ef") else None)
+                if with_residual(mode) else None)
     held = jax.device_put(task.held_out, replicated)
     evaluate = jax.jit(lambda p: (task.loss(p, *held),
                                   task.accuracy(p, *held) if task.accuracy else jnp.nan))
