@@ -506,3 +506,43 @@ def test_a_weight_read_twice_is_refused_under_packets():
     _, exact = grads_of(mesh, model, False)
     assert_like_nnx(grads, exact, model)
     assert max(relative_errors(grads, exact)) < 0.2
+
+
+def test_a_placement_over_an_automatic_data_axis_is_read_or_refused():
+    """Inside jit, a weight placed P('data', None) on a mesh of automatic axes is invisible
+    when cgx traces: without param_specs= the step is refused when XLA compiles it (it would
+    be data-parallel: the weight gathered in f32, the gradient replicated); with them it is
+    FSDP (only packets gathered, the gradient sharded like the weight, near jax.grad's); a
+    replicated weight runs as before, with nothing of the check left in the program."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))  # automatic axes
+    rows = NamedSharding(mesh, P("data", None))
+    w = jax.device_put(jax.random.normal(jax.random.key(0), (512, 256)), rows)
+    x = jax.device_put(jax.random.normal(jax.random.key(1), (64, 512)), rows)
+    loss = lambda w, x: jnp.mean(jnp.tanh(x @ w) ** 2)  # noqa: E731
+    want_loss, want = jax.value_and_grad(loss)(w, x)
+
+    guessed = jax.jit(cgx.value_and_grad(loss, mesh=mesh, axis_name="data"))
+    with pytest.raises(Exception, match=r"placed sharded over the data axis 'data' "
+                                        r"\(P\('data', None\)\).*param_specs="):
+        guessed(w, x, step=jnp.int32(0))
+    told_replicated = jax.jit(cgx.value_and_grad(loss, mesh=mesh, axis_name="data",
+                                                 param_specs=P()))
+    with pytest.raises(Exception, match=r"param_specs gives it P\(\)"):
+        told_replicated(w, x, step=jnp.int32(0))
+
+    told = jax.jit(cgx.value_and_grad(loss, mesh=mesh, axis_name="data",
+                                      param_specs=P("data", None)))
+    value, grads = told(w, x, step=jnp.int32(0))
+    assert grads.sharding.is_equivalent_to(rows, 2) and grads.dtype == w.dtype
+    np.testing.assert_allclose(value, want_loss, rtol=1e-4)
+    assert relative_errors(grads, want)[0] < 0.5
+    hlo = told.lower(w, x, step=jnp.int32(0)).compile().as_text()
+    gathers = [line for line in hlo.splitlines() if re.search(r"= \S+ all-gather\(", line)]
+    assert gathers and all(line.split("=")[1].strip().startswith("u8[") for line in gathers)
+
+    replicated = jax.device_put(w, NamedSharding(mesh, P()))
+    value, grads = guessed(replicated, x, step=jnp.int32(0))
+    assert grads.sharding.is_equivalent_to(NamedSharding(mesh, P()), 2)
+    assert relative_errors(grads, want)[0] < 0.5
+    hlo = guessed.lower(replicated, x, step=jnp.int32(0)).compile().as_text()
+    assert "CustomSPMDPartitioning" not in hlo

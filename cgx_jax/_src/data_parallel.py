@@ -205,6 +205,7 @@ def value_and_grad(fun: Callable, *, mesh: Mesh | None = None, axis_name: str, a
         _check_call(args, argnums, positions, axis_name, error_feedback, residual)
         call, flat_args = _Call.of(args, specs, _step_key(step, base_key),
                                    **dict(settings, mesh=_mesh_here(mesh, axis_name)))
+        flat_args = _placements_checked(call, flat_args, given=specs is not None)
         if error_feedback and call.fsdp:
             raise ValueError(
                 f"cgx.value_and_grad(..., error_feedback=True): parameters "
@@ -291,8 +292,9 @@ class _Call:
     noise key (``None`` without a step). Per gradient leaf (``tree_leaves`` order of the
     gradients of all positions): ``paths`` (its name in errors), ``specs`` (its
     ``PartitionSpec``), ``codecs`` (``policy``'s) and ``weight_codecs`` (``weight_policy``'s).
-    ``fsdp``: leaf -> the dimension sharded over ``axis_name``; ``fsdp_paths``: position ->
-    {``keystr`` of the leaf's path in the travelling argument: leaf}."""
+    ``param_paths``: position -> {``keystr`` of the leaf's path in the travelling argument:
+    leaf}; ``fsdp``: leaf -> the dimension sharded over ``axis_name``; ``fsdp_paths``: the
+    part of ``param_paths`` of those leaves."""
     fun: Callable
     mesh: Mesh
     axis_name: str
@@ -309,6 +311,7 @@ class _Call:
     specs: list
     codecs: list
     weight_codecs: list
+    param_paths: dict
     fsdp: dict
     fsdp_paths: dict
     keep_for_backward: str
@@ -346,21 +349,48 @@ class _Call:
             leaf_specs = _specs_jax_knows(visible, settings["mesh"], axis_name)
         fsdp = {j: d for j, (spec, path) in enumerate(zip(leaf_specs, paths))
                 if (d := _data_dim(spec, axis_name, path)) is not None}
-        fsdp_paths, first = {}, 0
+        param_paths, first = {}, 0
         for i, tree in zip(positions, params):
             flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-            fsdp_paths[i] = {jax.tree_util.keystr(path): first + j
-                             for j, (path, _) in enumerate(flat) if first + j in fsdp}
+            param_paths[i] = {jax.tree_util.keystr(path): first + j
+                              for j, (path, _) in enumerate(flat)}
             first += len(flat)
+        fsdp_paths = {i: {path: j for path, j in by_path.items() if j in fsdp}
+                      for i, by_path in param_paths.items()}
         return cls(graphs=graphs, static=static, key=key, paths=paths, specs=leaf_specs,
                    codecs=settings["policy"].resolve_leaves(returned),
                    weight_codecs=settings["weight_policy"].resolve_leaves(returned),
-                   fsdp=fsdp, fsdp_paths=fsdp_paths, **settings), flat_args
+                   param_paths=param_paths, fsdp=fsdp, fsdp_paths=fsdp_paths,
+                   **settings), flat_args
 
     def loss(self, *array_args):
         """``fun`` of the arguments as they travelled, their other leaves put back."""
         return self.fun(*(combine(a, self.static[i]) if i in self.static else a
                           for i, a in enumerate(array_args)))
+
+
+def _placements_checked(call: _Call, flat_args, given: bool) -> list:
+    """``flat_args`` with each traced parameter that cgx takes as replicated over an automatic
+    data axis passed through ``fsdp.refuse_unseen_sharding``: placed sharded over that axis,
+    it is refused when XLA compiles the step, not trained data-parallel in silence."""
+    if axis_type(call.mesh, call.axis_name) != AxisType.Auto:
+        return flat_args  # an explicit axis shows in the traced type; a manual one is inside
+    keystr = jax.tree_util.keystr
+    chosen = {}  # (position, path in the argument) -> (leaf, leaf index)
+    for i, by_path in call.param_paths.items():
+        for path, leaf in jax.tree_util.tree_flatten_with_path(flat_args[i])[0]:
+            j = by_path.get(keystr(path))
+            if (j is not None and j not in call.fsdp and isinstance(leaf, jax.core.Tracer)
+                    and leaf.ndim):
+                chosen[i, keystr(path)] = leaf, j
+    checked = dict(zip(chosen, fsdp.refuse_unseen_sharding(
+        [leaf for leaf, _ in chosen.values()], [call.paths[j] for _, j in chosen.values()],
+        call.axis_name, given)))
+    out = list(flat_args)
+    for i in call.param_paths:
+        out[i] = jax.tree_util.tree_map_with_path(
+            lambda path, x, i=i: checked.get((i, keystr(path)), x), flat_args[i])
+    return out
 
 
 def _check_given_specs(given, visible, paths, axis_name) -> None:

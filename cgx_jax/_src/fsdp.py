@@ -10,6 +10,7 @@ import functools
 
 import jax
 from jax import lax
+from jax.experimental.custom_partitioning import SdyShardingRule, custom_partitioning
 from jax.sharding import PartitionSpec as P
 
 from cgx_jax._src import flax_compat
@@ -159,3 +160,49 @@ def _gather_fsdp_leaf(call, j: int, shard, key):
     # explicit axis (a traced key is, on an explicit mesh).
     return jax.shard_map(on_block, in_specs=(other, P()), out_specs=other,
                          axis_names=set(axes))(lay_out(shard, other, call.mesh), key)
+
+
+def refuse_unseen_sharding(leaves: list, paths: list, axis_name: str, given: bool) -> list:
+    """``leaves`` unchanged, through a ``custom_partitioning`` op that reads their layout when
+    XLA's partitioner knows it and refuses a leaf sharded over ``axis_name``.
+
+    Inside ``jax.jit`` on a mesh whose data axis is automatic, a parameter's placement is
+    decided after tracing, so cgx traces such a leaf as replicated over the data axis. One
+    placed ``P(axis_name, ...)`` would then be trained data-parallel in silence (XLA gathers
+    its weight in f32, its gradient comes back replicated): an FSDP user would not get FSDP.
+    The traced program cannot change at compile time, so the partitioner's call raises cgx's
+    error there, naming ``param_specs=``. After partitioning the op is the identity."""
+    if not leaves:
+        return leaves
+
+    def check(arg_shapes):
+        for shape, path in zip(arg_shapes, paths):
+            spec = getattr(shape.sharding, "spec", None)
+            if spec is not None and axis_name in spec_axes(spec):
+                told = "param_specs gives it P() (replicated)" if given else (
+                    "cgx traced it as replicated: inside jax.jit an array's layout over the "
+                    "automatic mesh axes is decided after tracing")
+                name = f"parameter {path!r}" if path else "the parameter"
+                raise ValueError(
+                    f"cgx.value_and_grad: {name} is placed sharded over the data "
+                    f"axis {axis_name!r} ({spec}), but {told}; it would be trained "
+                    f"data-parallel (its weight gathered whole in f32, its gradient "
+                    f"replicated), not FSDP. Pass param_specs=jax.tree.map(lambda a: "
+                    f"a.sharding.spec, params), built outside jit from the placed "
+                    f"parameters, or make {axis_name!r} an explicit mesh axis "
+                    f"(jax.make_mesh's default), or place the parameter replicated (P())")
+        return tuple(shape.sharding for shape in arg_shapes)
+
+    def partition(mesh, arg_shapes, result_shape):
+        shardings = check(arg_shapes)
+        return mesh, lambda *xs: xs, shardings, shardings
+
+    @custom_partitioning
+    def placed(*xs):
+        return xs
+
+    dims = tuple(tuple(f"d{i}_{k}" for k in range(x.ndim)) for i, x in enumerate(leaves))
+    placed.def_partition(partition, infer_sharding_from_operands=lambda _, a, r: check(a),
+                         sharding_rule=SdyShardingRule(operand_mappings=dims,
+                                                       result_mappings=dims))
+    return list(placed(*leaves))
