@@ -56,3 +56,38 @@ def test_the_entry_points_take_an_optax_style_key():
                      (1,), ("data",), devices=jax.devices()[:1]), axis_name="data", key=k)):
         with pytest.raises(TypeError, match=r"key must be a JAX PRNG key .* got 7"):
             make(7)
+
+
+def test_the_deprecated_seed_still_works_warns_and_gives_the_same_noise():
+    """seed=s, the spelling before key=, keeps working for a release: a DeprecationWarning
+    naming key=jax.random.key(s), and bitwise what key=jax.random.key(s) gives (the state's
+    rng_key; value_and_grad's compressed gradients). Both at once, or a seed that is not an
+    int, is a TypeError."""
+    import cgx_jax as cgx
+
+    params = {"w": jnp.zeros((4, 4))}
+    with pytest.warns(DeprecationWarning, match=r"compressed_allreduce\(seed=5\) is deprecated"
+                                                r".*key=jax\.random\.key\(5\)"):
+        old = cgx.compressed_allreduce("batch", seed=5).init(params)
+    new = cgx.compressed_allreduce("batch", key=jax.random.key(5)).init(params)
+    np.testing.assert_array_equal(old.rng_key, new.rng_key)
+    assert not np.array_equal(new.rng_key, jax.random.PRNGKey(0))
+
+    mesh = jax.make_mesh((8,), ("data",), devices=jax.devices()[:8])
+    w = jnp.linspace(-1.0, 1.0, 128 * 128).reshape(128, 128)
+    x = jnp.cos(jnp.arange(16 * 128.0)).reshape(16, 128)
+    loss = lambda w, x: jnp.mean(jnp.tanh(x @ w) ** 2)  # noqa: E731
+    with pytest.warns(DeprecationWarning, match=r"value_and_grad\(seed=5\)"):
+        old_fn = cgx.value_and_grad(loss, mesh=mesh, axis_name="data", seed=5)
+    grads = {}
+    for name, fn in (("old", old_fn), ("new", cgx.value_and_grad(
+            loss, mesh=mesh, axis_name="data", key=jax.random.key(5))), ("other", cgx.value_and_grad(
+            loss, mesh=mesh, axis_name="data", key=jax.random.key(6)))):
+        grads[name] = np.asarray(jax.jit(fn)(w, x, step=jnp.int32(2))[1])
+    assert grads["old"].tobytes() == grads["new"].tobytes()
+    assert grads["old"].tobytes() != grads["other"].tobytes()  # the key reaches the noise
+
+    with pytest.raises(TypeError, match=r"pass key= only.*got both \(seed=1\)"):
+        cgx.compressed_allreduce("batch", key=jax.random.key(1), seed=1)
+    with pytest.raises(TypeError, match=r"seed must be an int, got 'a' of type str"):
+        cgx.value_and_grad(loss, mesh=mesh, axis_name="data", seed="a")

@@ -46,7 +46,7 @@ from cgx_jax._src.policy import (
     policy_of,
     residual_shape,
 )
-from cgx_jax._src.seeds import raw_key
+from cgx_jax._src.seeds import key_or_deprecated_seed, raw_key
 from cgx_jax._src.sharded import WEIGHT_CODEC
 from cgx_jax._src.trees import combine, is_array, is_differentiable, partition
 from cgx_jax._src.validation import check_choice
@@ -89,7 +89,7 @@ def value_and_grad(fun: Callable, *, mesh: Mesh | None = None, axis_name: str, a
                    has_aux: bool = False, policy: LayerPolicy | None = None, key=None,
                    algorithm: str = "auto", backend: str = "ffi", param_specs=None,
                    error_feedback: bool = False, weight_policy: LayerPolicy | None = None,
-                   keep_for_backward: str = "weights"):
+                   keep_for_backward: str = "weights", seed: int | None = None):
     """``jax.value_and_grad(fun, argnums, has_aux)`` (``nnx.value_and_grad`` for an NNX module)
     whose gradients are averaged over ``axis_name`` with cgx's compressed all-reduce; call it
     inside ``jax.jit``/``nnx.jit`` (or eagerly) as ``grad_fn(*args, step=step)``.
@@ -107,6 +107,7 @@ def value_and_grad(fun: Callable, *, mesh: Mesh | None = None, axis_name: str, a
       argnums, has_aux: as for ``jax.value_and_grad``.
       policy: the gradients' per-leaf codecs (default ``LayerPolicy()``).
       key: the noise's PRNG key, folded with ``step`` (default ``jax.random.key(0)``).
+      seed: deprecated (warns): ``key=jax.random.key(seed)`` gives the same noise.
       algorithm, backend: as for ``compressed_allreduce``.
       weight_policy: the codecs of FSDP parameters' weights as they are gathered (default
         ``LayerPolicy(default=Codec(bits=8, rounding="nearest"))``).
@@ -117,10 +118,11 @@ def value_and_grad(fun: Callable, *, mesh: Mesh | None = None, axis_name: str, a
         ``jit``). Over automatic axes inside ``jit``, where a layout is decided after
         tracing, XLA's partitioner tells it when it compiles the step (with error feedback,
         whose residual is placed before, they are taken as replicated, with a warning that
-        says how to pass ``param_specs``). A gradient is compressed per shard, so each
-        device encodes only what it holds. A ``param_specs``
-        that calls replicated a parameter whose annotation or placement shards it over
-        ``axis_name`` is a ``ValueError``.
+        says how to pass ``param_specs``); a parameter placed sharded over an automatic
+        ``axis_name`` there is refused when the step compiles (FSDP needs the spec before
+        tracing). A gradient is compressed per shard, so each device encodes only what it
+        holds. A ``param_specs`` that calls replicated a parameter whose annotation or
+        placement shards it over ``axis_name`` is a ``ValueError``.
 
       error_feedback: add what each participant's compression lost to its next gradient
         (EF-SGD): ``grad_fn(*args, step=step, residual=residual)`` then returns
@@ -187,7 +189,7 @@ def value_and_grad(fun: Callable, *, mesh: Mesh | None = None, axis_name: str, a
         ((256, 128), 65536.0)
     """
     policy = check_policy(policy)
-    base_key = raw_key(key)
+    base_key = raw_key(key_or_deprecated_seed(key, seed, "cgx.value_and_grad"))
     check_choice("keep_for_backward", keep_for_backward, ("weights", "packets"))
     if mesh is not None:
         _check_mesh(mesh, axis_name)

@@ -29,7 +29,7 @@ from cgx_jax._src.policy import (
     leaf_paths,
     residual_shape,
 )
-from cgx_jax._src.seeds import raw_key
+from cgx_jax._src.seeds import key_or_deprecated_seed, raw_key
 from cgx_jax._src.vma import check_local
 
 
@@ -71,15 +71,15 @@ class CompressedAllReduce(optax.GradientTransformation):
 def compressed_allreduce(axis_name, *, policy: LayerPolicy | None = None, mean: bool = True,
                          error_feedback: bool = False, key=None, algorithm: str = "auto",
                          backend: str = "ffi",
-                         adaptive: schedule.AdaptiveConfig | None = None
-                         ) -> CompressedAllReduce:
+                         adaptive: schedule.AdaptiveConfig | None = None,
+                         seed: int | None = None) -> CompressedAllReduce:
     """All-reduces gradients with compressed ``psum`` (``pmean`` when ``mean``) over
     ``axis_name``; must run inside ``pmap``/``shard_map`` with that axis bound.
 
     Args:
       axis_name: the data-parallel axis (or tuple of mesh axes).
       policy: per-leaf codecs; ``None`` means ``LayerPolicy()`` (4-bit stochastic buckets of
-        1024 for matrices of at least 16K values, everything else exact).
+        128 for matrices of at least 16K values, everything else exact).
       mean: average (``True``) or sum the gradients over participants.
       error_feedback: add what each participant's compression lost to its next gradient
         (EF-SGD); the residual lives in the state.
@@ -94,6 +94,7 @@ def compressed_allreduce(axis_name, *, policy: LayerPolicy | None = None, mean: 
         ``cgx.refit_policy(state, config, base=policy)`` when ``config.due(step)`` and
         continues with a transform (and step function, cached by policy) built for the
         returned policy, passing the same state.
+      seed: deprecated (warns): ``key=jax.random.key(seed)`` gives the same noise.
 
     Put it before ``optax.apply_if_finite`` (a NaN on one replica becomes a NaN bucket on all
     of them, so every replica skips the step together) and inside ``optax.MultiSteps`` (the
@@ -121,7 +122,7 @@ def compressed_allreduce(axis_name, *, policy: LayerPolicy | None = None, mean: 
         (1, 128, 128)
     """
     policy = check_policy(policy)
-    first_key = raw_key(key)
+    first_key = raw_key(key_or_deprecated_seed(key, seed, "cgx.compressed_allreduce"))
     if adaptive is not None and not isinstance(adaptive, schedule.AdaptiveConfig):
         raise TypeError(f"adaptive must be a cgx_jax.AdaptiveConfig or None, got "
                         f"{type(adaptive).__name__}")

@@ -10,6 +10,8 @@ with the same key gives the same bytes.
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -43,6 +45,33 @@ def raw_key(key, name: str = "key"):
     if key is None:
         return jax.random.PRNGKey(0)
     return jax.random.key_data(key) if _is_typed_key(key, name) else jnp.asarray(key)
+
+
+def key_or_deprecated_seed(key, seed, where: str):
+    """``key``; for a caller still passing ``seed=`` (an int: the spelling before ``key=``),
+    ``jax.random.PRNGKey(seed)``, the noise that spelling gave, with a ``DeprecationWarning``
+    naming ``key=``. ``TypeError`` for both, or a seed that is not an int.
+
+    Example:
+        >>> import warnings
+        >>> with warnings.catch_warnings():
+        ...     warnings.simplefilter("ignore", DeprecationWarning)
+        ...     old = key_or_deprecated_seed(None, 3, "cgx.value_and_grad")
+        >>> bool((old == jax.random.PRNGKey(3)).all())
+        True
+    """
+    if seed is None:
+        return key
+    if key is not None:
+        raise TypeError(f"{where}: pass key= only; seed= is its deprecated spelling, "
+                        f"got both (seed={seed!r})")
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+        raise TypeError(f"{where}: seed must be an int, got {seed!r:.80} of type "
+                        f"{type(seed).__name__}; pass key=jax.random.key(seed) instead")
+    warnings.warn(f"{where}(seed={seed}) is deprecated and will be removed in a later "
+                  f"release: pass key=jax.random.key({seed}), which gives the same noise",
+                  DeprecationWarning, stacklevel=3)
+    return jax.random.PRNGKey(seed)
 
 
 def _is_typed_key(key, name: str) -> bool:
