@@ -53,7 +53,7 @@ BAD_INPUTS = [
     ("key type", lambda: in_shard_map(lambda x: cgx.compressed_psum(x, "batch", codec=cgx.Codec(4, 64), key=7)),
      TypeError, r"key must be a JAX PRNG key"),
     ("missing key", lambda: in_shard_map(lambda x: cgx.compressed_psum(x, "batch", codec=cgx.Codec(4, 64))),
-     ValueError, r"stochastic rounding needs a PRNG key.*or let cgx.compressed_allreduce \(which "
+     ValueError, r"compressed_psum rounds stochastically and needs a PRNG key.*or let cgx.compressed_allreduce \(which "
                  r"keeps and splits a key in its state\) or cgx.value_and_grad\(..., step=...\) "
                  r"manage it"),
     ("policy type", lambda: in_shard_map(lambda x: cgx.compressed_psum(x, "batch", policy={"default": 4})),

@@ -79,11 +79,12 @@ def test_the_deprecated_seed_still_works_warns_and_gives_the_same_noise():
     loss = lambda w, x: jnp.mean(jnp.tanh(x @ w) ** 2)  # noqa: E731
     with pytest.warns(DeprecationWarning, match=r"value_and_grad\(seed=5\)"):
         old_fn = cgx.value_and_grad(loss, mesh=mesh, axis_name="data", seed=5)
-    grads = {}
-    for name, fn in (("old", old_fn), ("new", cgx.value_and_grad(
-            loss, mesh=mesh, axis_name="data", key=jax.random.key(5))), ("other", cgx.value_and_grad(
-            loss, mesh=mesh, axis_name="data", key=jax.random.key(6)))):
-        grads[name] = np.asarray(jax.jit(fn)(w, x, step=jnp.int32(2))[1])
+    fns = {"old": old_fn}
+    for name, key in (("new", 5), ("other", 6)):
+        fns[name] = cgx.value_and_grad(loss, mesh=mesh, axis_name="data",
+                                       key=jax.random.key(key))
+    grads = {name: np.asarray(jax.jit(fn)(w, x, step=jnp.int32(2))[1])
+             for name, fn in fns.items()}
     assert grads["old"].tobytes() == grads["new"].tobytes()
     assert grads["old"].tobytes() != grads["other"].tobytes()  # the key reaches the noise
 

@@ -30,7 +30,7 @@ from cgx_jax._src.policy import (
     path_name,
 )
 from cgx_jax._src.reduction import plan_reduction, run_plan
-from cgx_jax._src.seeds import rounding_seed, seed_bits
+from cgx_jax._src.seeds import PASS_A_KEY, need_key, rounding_seed, seed_bits
 from cgx_jax._src.validation import check_choice, check_codec
 from cgx_jax._src.vma import check_local
 
@@ -153,13 +153,10 @@ def reduce_leaves(leaves, codecs, axis_name, *, key=None, algorithm="auto", back
     check_local(leaves, all_axes, paths)
     plan = plan_reduction(leaves, codecs, algorithm=resolve_algorithm(algorithm, num_participants),
                           num_participants=num_participants, inner_size=inner_size, mean=mean)
-    stochastic = [paths[i] for s in plan.segments if s.codec.stochastic for i in s.leaves]
-    if stochastic and key is None:
-        raise ValueError(
-            "stochastic rounding needs a PRNG key: pass key=jax.random.key(...) (a fresh one "
-            "each step), use Codec(rounding='nearest'), or let cgx.compressed_allreduce (which "
-            "keeps and splits a key in its state) or cgx.value_and_grad(..., step=...) manage "
-            f"it; leaves rounded stochastically: {stochastic[:8]}")
+    need_key([s.codec for s in plan.segments for _ in s.leaves],
+             key, [paths[i] for s in plan.segments for i in s.leaves], "cgx.compressed_psum",
+             PASS_A_KEY + ", or let cgx.compressed_allreduce (which keeps and splits a key in "
+             "its state) or cgx.value_and_grad(..., step=...) manage it")
     if key is not None and plan.segments:
         seed_bits(key)  # validates the key type before it is folded
     check_processes_agree(plan.wire_settings())

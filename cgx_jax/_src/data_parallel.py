@@ -46,7 +46,7 @@ from cgx_jax._src.policy import (
     policy_of,
     residual_shape,
 )
-from cgx_jax._src.seeds import key_or_deprecated_seed, raw_key
+from cgx_jax._src.seeds import key_or_deprecated_seed, need_key, raw_key
 from cgx_jax._src.sharded import WEIGHT_CODEC
 from cgx_jax._src.trees import combine, is_array, is_differentiable, partition
 from cgx_jax._src.validation import check_choice
@@ -501,7 +501,7 @@ def _local_gradients(call: _Call, flat_args):
         modules = {}
         for i, graph in call.graphs.items():
             local_args[i] = modules[i] = flax_compat.nnx().merge(graph, local_args[i])
-        _need_step([call.codecs[j] for j in call.fsdp], key)
+        _need_step(call, call.fsdp, key)
         out, grads = _with_clear_constraint_errors(
             lambda: local_value_and_grad(fsdp.gathering_loss(call_here), axis_name,
                                          argnums=positions, has_aux=call.has_aux)(*local_args),
@@ -541,13 +541,12 @@ def _compiled_when_eager(stage, *args):
     return jax.jit(stage)(*args)
 
 
-def _need_step(codecs, key) -> None:
-    if key is None and any(c is not None and c.stochastic for c in codecs):
-        raise ValueError(
-            "cgx.value_and_grad: pass step= (an integer array that changes every step, "
-            "e.g. optimizer.step[...] of an nnx.Optimizer, or a counter in your train "
-            "state): the policy rounds stochastically and its noise is folded from the "
-            "step, so it must not repeat")
+def _need_step(call: _Call, leaves, key) -> None:
+    need_key([call.codecs[j] for j in leaves], key, [call.paths[j] for j in leaves],
+             "cgx.value_and_grad's policy",
+             "pass step= (an integer array that changes every step, e.g. optimizer.step[...] "
+             "of an nnx.Optimizer, or a counter in your train state): the noise is folded "
+             "from the step, so it must not repeat")
 
 
 def _split_rows(x, mesh, axis_name):
@@ -668,7 +667,7 @@ def _reduce_rows(call: _Call, todo, specs, key, stacked, residual_in):
     local = [g[0] for g in stacked]
     if residual_in:
         local = [add_residual(g, r[0]) for g, r in zip(local, residual_in)]
-    _need_step([codecs[j] for j in todo], key)
+    _need_step(call, todo, key)
     reduced, residual = [None] * len(todo), [None] * len(todo)
     for number, (shard_axes, members) in enumerate(_noise_groups(specs, call.mesh).items()):
         group_key = key

@@ -86,6 +86,29 @@ def _is_typed_key(key, name: str) -> bool:
         f"{key!r:.80} of type {type(key).__name__}")
 
 
+PASS_A_KEY = ("pass key=jax.random.key(...) (a fresh one each step), or a codec with "
+              "rounding='nearest'")
+
+
+def need_key(codecs, key, paths, what: str, fix: str = PASS_A_KEY) -> None:
+    """The one check that stochastic rounding has its noise: a ``ValueError`` when a codec
+    of ``codecs`` (one per leaf, None for an exact leaf) is stochastic and ``key`` is None,
+    saying ``what`` rounds, the ``fix`` and the leaves (``paths``) it concerns.
+
+    Example:
+        >>> need_key([Codec(rounding="nearest")], None, ["w"], "cgx.compressed_psum")
+        >>> try:
+        ...     need_key([Codec()], None, ["w"], "cgx.compressed_psum")
+        ... except ValueError as e:
+        ...     print(str(e)[:62])
+        cgx.compressed_psum rounds stochastically and needs a PRNG key
+    """
+    stochastic = [p for p, c in zip(paths, codecs) if c is not None and c.stochastic]
+    if stochastic and key is None:
+        raise ValueError(f"{what} rounds stochastically and needs a PRNG key: {fix}; leaves "
+                         f"rounded stochastically: {stochastic[:8]}")
+
+
 def rounding_seed(codec: Codec, key):
     """The seed of one encode with ``codec``: from ``key`` for stochastic rounding (which
     needs one), zeros for nearest rounding (which draws no noise)."""

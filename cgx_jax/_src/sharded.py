@@ -30,7 +30,7 @@ from cgx_jax._src.consistency import check_processes_agree
 from cgx_jax._src.layouts import entry_axes
 from cgx_jax._src.policy import LayerPolicy, choose_codecs, path_name
 from cgx_jax._src.reduction import ReductionPlan, plan_reduction, run_scatter_plan, segment_seeds
-from cgx_jax._src.seeds import seed_bits
+from cgx_jax._src.seeds import need_key, seed_bits
 from cgx_jax._src.validation import check_choice, check_codec
 from cgx_jax._src.vma import to_local, varying_axes
 
@@ -80,16 +80,6 @@ def _open(x, axis_name, key, backend: str) -> _Call:
     flat_with_paths, treedef = jax.tree_util.tree_flatten_with_path(x)
     return _Call([jnp.asarray(leaf) for _, leaf in flat_with_paths],
                  [path_name(p) for p, _ in flat_with_paths], treedef, num)
-
-
-def _need_key(codecs, key, paths, what: str) -> None:
-    """A ``ValueError`` when a stochastic codec has no key, naming the leaves."""
-    stochastic = [p for p, c in zip(paths, codecs) if c is not None and c.stochastic]
-    if stochastic and key is None:
-        raise ValueError(
-            f"{what} rounds stochastically and needs a PRNG key: pass key=jax.random.key(...) "
-            f"(a fresh one each step), or a codec with rounding='nearest'; leaves rounded "
-            f"stochastically: {stochastic[:8]}")
 
 
 def _agreed_plan(leaves, codecs, algorithm: str, num: int, what: str):
@@ -248,7 +238,7 @@ def start_gather(leaves, codecs, axis_name, *, key, grad_codecs, backend: str, p
     ``finish_gather``, which decodes them (``packets`` is None when nothing is compressed),
     and may run later, where the weights are used (``cgx.value_and_grad``'s
     ``keep_for_backward="packets"``)."""
-    _need_key(codecs, key, paths, "compressed_all_gather's codec")
+    need_key(codecs, key, paths, "compressed_all_gather's codec")
     plan = _agreed_plan(leaves, codecs, "allgather", axis_size(axis_name),
                         "compressed_all_gather")
     settings = _GatherSettings(axis_name, plan, backend, tuple(grad_codecs), tuple(paths))
@@ -448,7 +438,7 @@ def scatter_leaves(leaves, codecs, axis_name, *, dims, tiled: bool, key, backend
         >>> float(f(jnp.ones((1, 4, 64)))[0][0, 0, 0])
         1.0
     """
-    _need_key(codecs, key, paths, what)
+    need_key(codecs, key, paths, what)
     num = axis_size(axis_name)
     rows = [_participant_rows(leaf, dim, num) for leaf, dim in zip(leaves, dims)]
     plan = _agreed_plan(rows, codecs, REDUCE_SCATTER, num, what)
