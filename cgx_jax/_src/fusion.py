@@ -176,8 +176,8 @@ def exact_fusion_pays() -> bool:
     """Whether small exact leaves share one buffer: only across CPU processes, where each
     operand of an all-reduce pays a network latency. In one process that cost is nil (and
     on GPUs one all-reduce carries all its operands), while unpacking the buffer costs a
-    copy kernel per leaf to compile: a 124-leaf model's step compiled in 1.46x the time of
-    its ``lax.pmean`` step with the buffer, 1.03x without (docs/performance.md)."""
+    copy kernel per leaf to compile, which slows the compile of a many-leaf model's step
+    (docs/performance.md measures it)."""
     return jax.process_count() > 1 and jax.default_backend() == "cpu"
 
 

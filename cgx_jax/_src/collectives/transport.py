@@ -20,8 +20,8 @@ from cgx_jax._src.collectives.jax_compat import gather_invariant
 # the two directions of the link take turns. Splitting such a swap into several
 # collectives lets the directions overlap again (each process moves on to the next piece
 # while its last one is still in the socket buffer; docs/performance.md measures it on 1
-# and 10 Gbit/s links). Each extra collective costs about a millisecond where the link is
-# fast, so pieces stay at least SWAP_PIECE_BYTES and at most MAX_SWAP_PIECES.
+# and 10 Gbit/s links). Each extra collective costs a latency where the link is fast, so
+# pieces stay at least SWAP_PIECE_BYTES and at most MAX_SWAP_PIECES.
 SWAP_PIECE_BYTES = 512 * 1024
 MAX_SWAP_PIECES = 4
 
