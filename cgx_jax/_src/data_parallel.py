@@ -46,7 +46,7 @@ from cgx_jax._src.policy import (
     policy_of,
     residual_shape,
 )
-from cgx_jax._src.seeds import key_or_deprecated_seed, need_key, raw_key
+from cgx_jax._src.seeds import key_or_deprecated_seed, need_key, raw_key, shard_group_key, step_key
 from cgx_jax._src.sharded import WEIGHT_CODEC
 from cgx_jax._src.trees import combine, is_array, is_differentiable, partition
 from cgx_jax._src.validation import check_choice
@@ -479,7 +479,7 @@ def _step_key(step, base_key):
     if step.shape != () or not jnp.issubdtype(step.dtype, jnp.integer):
         raise TypeError(f"cgx.value_and_grad: step must be an integer scalar, got "
                         f"{step.dtype}{list(step.shape)}")
-    return jax.random.fold_in(base_key, step.astype(jnp.uint32))
+    return step_key(base_key, step)
 
 
 def _local_gradients(call: _Call, flat_args):
@@ -670,10 +670,8 @@ def _reduce_rows(call: _Call, todo, specs, key, stacked, residual_in):
     _need_step(call, todo, key)
     reduced, residual = [None] * len(todo), [None] * len(todo)
     for number, (shard_axes, members) in enumerate(_noise_groups(specs, call.mesh).items()):
-        group_key = key
-        if key is not None and shard_axes:  # each distinct shard its own noise
-            group_key = jax.random.fold_in(jax.random.fold_in(key, number),
-                                           lax.axis_index(shard_axes))
+        group_key = (shard_group_key(key, number, lax.axis_index(shard_axes)) if shard_axes
+                     else key)
         means, residuals = reduce_leaves(
             [local[m] for m in members], [codecs[todo[m]] for m in members], call.axis_name,
             key=group_key, algorithm=call.algorithm, backend=call.backend, mean=True,

@@ -15,12 +15,9 @@ from jax.sharding import PartitionSpec as P
 
 from cgx_jax._src import flax_compat
 from cgx_jax._src.layouts import lay_out, spec_axes
+from cgx_jax._src.seeds import block_key, gather_key
 from cgx_jax._src.sharded import finish_gather, gather_leaves, start_gather
 from cgx_jax._src.vma import to_local
-
-# The noise of the FSDP weights' gather (and its gradients' reduce-scatter), folded into the
-# step's key apart from the noise groups of the compressed mean (which fold small numbers).
-_GATHER_STREAM = 0x6A7E
 
 
 def input_specs(call, i: int, arg):
@@ -131,9 +128,7 @@ def _decode_one(settings, dim: int, shard, packets, key):
 
 def _gather_key(call, j: int):
     """The noise key of FSDP leaf ``j``'s gather and of its gradient's reduce-scatter."""
-    if call.key is None:
-        return None
-    return jax.random.fold_in(jax.random.fold_in(call.key, _GATHER_STREAM), j)
+    return gather_key(call.key, j)
 
 
 def _gather_fsdp_leaf(call, j: int, shard, key):
@@ -153,8 +148,7 @@ def _gather_fsdp_leaf(call, j: int, shard, key):
         return gather(shard, key)
 
     def on_block(block, key):
-        block_key = None if key is None else jax.random.fold_in(key, lax.axis_index(axes))
-        return to_local(gather(block, block_key), axes)
+        return to_local(gather(block, block_key(key, lax.axis_index(axes))), axes)
 
     # The key goes in as an argument: shard_map cannot close over a value typed by an
     # explicit axis (a traced key is, on an explicit mesh).

@@ -29,7 +29,7 @@ from cgx_jax._src.policy import (
     leaf_paths,
     residual_shape,
 )
-from cgx_jax._src.seeds import key_or_deprecated_seed, raw_key
+from cgx_jax._src.seeds import key_or_deprecated_seed, next_keys, raw_key
 from cgx_jax._src.vma import check_local
 
 
@@ -141,7 +141,7 @@ def compressed_allreduce(axis_name, *, policy: LayerPolicy | None = None, mean: 
 
     def update_fn(updates, state, params=None):
         del params
-        rng_key, step_key = jax.random.split(state.rng_key)
+        rng_key, step_key = next_keys(state.rng_key)
         # Before the residual is added: a varying residual would hide reduced gradients.
         check_local(updates, axis_name, leaf_paths(updates), "compressed_allreduce")
         if error_feedback:

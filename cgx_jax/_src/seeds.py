@@ -6,6 +6,13 @@ the fused group's number, then the participant's index, then the segment's numbe
 the group, then the phase (SRA's and all-gather's two quantizations, the ring's N encodes),
 so groups, participants, segments and phases never share a noise stream while every run
 with the same key gives the same bytes.
+
+Every other key cgx derives is derived here too, one function per branch of the tree:
+``value_and_grad``'s key of a step (``step_key``), of a noise group sharded over other mesh
+axes (``shard_group_key``), of an FSDP leaf's gather (``gather_key``) and of each model-axis
+block of it (``block_key``), of a gather's gradient (``gradient_key``), the Optax transform's
+split (``next_keys``), and each participant's copy of an NNX module's RNG keys
+(``participant_key``).
 """
 
 from __future__ import annotations
@@ -119,6 +126,101 @@ def rounding_seed(codec: Codec, key):
                 "Codec(rounding='nearest')")
         return seed_bits(key)
     return jnp.zeros((2,), jnp.uint32)
+
+
+# The FSDP weights' gathers (and their gradients' reduce-scatters) fold this into the step's
+# key, apart from the noise groups of the compressed mean (which fold small numbers).
+GATHER_STREAM = 0x6A7E
+
+
+def _fold(key, *data):
+    """``key`` folded with each of ``data`` in turn; None stays None (nearest rounding)."""
+    if key is None:
+        return None
+    for d in data:
+        key = jax.random.fold_in(key, d)
+    return key
+
+
+def step_key(base_key, step):
+    """``value_and_grad``'s key of ``step`` (an integer scalar array).
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> step_key(jax.random.PRNGKey(0), jnp.int32(3)).shape
+        (2,)
+    """
+    return _fold(base_key, step.astype(jnp.uint32))
+
+
+def shard_group_key(key, group_number: int, shard_index):
+    """The key of noise group ``group_number`` on the shard ``shard_index`` (its index over
+    the other mesh axes that shard it): each distinct shard draws its own noise.
+
+    Example:
+        >>> import jax
+        >>> shard_group_key(None, 0, 1) is None
+        True
+    """
+    return _fold(key, group_number, shard_index)
+
+
+def gather_key(key, leaf: int):
+    """The key of FSDP leaf ``leaf``'s gather and of its gradient's reduce-scatter.
+
+    Example:
+        >>> import jax
+        >>> gather_key(jax.random.PRNGKey(0), 2).shape
+        (2,)
+    """
+    return _fold(key, GATHER_STREAM, leaf)
+
+
+def block_key(key, block_index):
+    """The key of one block (``block_index`` over the model axes) of a gathered leaf.
+
+    Example:
+        >>> import jax
+        >>> block_key(jax.random.PRNGKey(0), 1).shape
+        (2,)
+    """
+    return _fold(key, block_index)
+
+
+def gradient_key(key):
+    """The key of a compressed gather's gradient (its reduce-scatter in the VJP), apart from
+    the gather's own.
+
+    Example:
+        >>> import jax
+        >>> bool((gradient_key(jax.random.PRNGKey(0)) != jax.random.PRNGKey(0)).any())
+        True
+    """
+    return _fold(key, 1)
+
+
+def next_keys(rng_key):
+    """``(the state's next rng_key, this step's key)``: the Optax transform's split, as
+    optax's own noisy transformations split theirs.
+
+    Example:
+        >>> import jax
+        >>> [k.shape for k in next_keys(jax.random.PRNGKey(0))]
+        [(2,), (2,)]
+    """
+    state_key, key = jax.random.split(rng_key)
+    return state_key, key
+
+
+def participant_key(key, index):
+    """An NNX module's RNG key as participant ``index`` uses it (its own dropout masks).
+
+    Example:
+        >>> import jax
+        >>> participant_key(jax.random.key(0), 3).dtype
+        key<fry>
+    """
+    return _fold(key, index)
 
 
 def phase_seeds(key, group_number: int, participant, segments: int, phases: int):

@@ -30,7 +30,7 @@ from cgx_jax._src.consistency import check_processes_agree
 from cgx_jax._src.layouts import entry_axes
 from cgx_jax._src.policy import LayerPolicy, choose_codecs, path_name
 from cgx_jax._src.reduction import ReductionPlan, plan_reduction, run_scatter_plan, segment_seeds
-from cgx_jax._src.seeds import need_key, seed_bits
+from cgx_jax._src.seeds import gradient_key, need_key, seed_bits
 from cgx_jax._src.validation import check_choice, check_codec
 from cgx_jax._src.vma import to_local, varying_axes
 
@@ -344,7 +344,7 @@ def _decode_stacked_fwd(leaves, gathered, key, settings):
 def _decode_stacked_bwd(settings, key, cotangents):
     # The transpose of a gather is a reduce-scatter of the cotangent over the new axis.
     members = [i for i, ct in enumerate(cotangents) if ct is not None]
-    grad_key = None if key is None else jax.random.fold_in(key, 1)
+    grad_key = gradient_key(key)
     grads = scatter_leaves(
         [cotangents[i] for i in members], [settings.grad_codecs[i] for i in members],
         settings.axis_name, dims=[0] * len(members), tiled=False, key=grad_key,

@@ -25,6 +25,7 @@ from jax import lax
 
 from cgx_jax._src import flax_compat
 from cgx_jax._src.axes import axis_tuple
+from cgx_jax._src.seeds import participant_key
 
 
 def varying_axes(value) -> frozenset:
@@ -151,7 +152,7 @@ def _local_copy(module, axis_name):
     nnx = flax_compat.nnx()
     graphdef, params, keys, rest = nnx.split(module, nnx.Param, nnx.RngKey, ...)
     index = lax.axis_index(axis_tuple(axis_name))
-    keys = jax.tree.map(lambda key: jax.random.fold_in(key, index), keys)
+    keys = jax.tree.map(lambda key: participant_key(key, index), keys)
     rest = jax.tree.map(lambda value: value, rest)  # new Variables: the module's stay as they are
     return nnx.merge(graphdef, to_local(params, axis_name), keys, rest)
 
