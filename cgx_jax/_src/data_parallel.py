@@ -295,8 +295,7 @@ class _Call:
     gradients of all positions): ``paths`` (its name in errors), ``specs`` (its
     ``PartitionSpec``), ``codecs`` (``policy``'s) and ``weight_codecs`` (``weight_policy``'s).
     ``param_paths``: position -> {``keystr`` of the leaf's path in the travelling argument:
-    leaf}; ``fsdp``: leaf -> the dimension sharded over ``axis_name``; ``fsdp_paths``: the
-    part of ``param_paths`` of those leaves."""
+    leaf}; ``fsdp``: leaf -> the dimension sharded over ``axis_name``."""
     fun: Callable
     mesh: Mesh
     axis_name: str
@@ -315,7 +314,6 @@ class _Call:
     weight_codecs: list
     param_paths: dict
     fsdp: dict
-    fsdp_paths: dict
     keep_for_backward: str
 
     @classmethod
@@ -357,13 +355,16 @@ class _Call:
             param_paths[i] = {jax.tree_util.keystr(path): first + j
                               for j, (path, _) in enumerate(flat)}
             first += len(flat)
-        fsdp_paths = {i: {path: j for path, j in by_path.items() if j in fsdp}
-                      for i, by_path in param_paths.items()}
         return cls(graphs=graphs, static=static, key=key, paths=paths, specs=leaf_specs,
                    codecs=settings["policy"].resolve_leaves(returned),
                    weight_codecs=settings["weight_policy"].resolve_leaves(returned),
-                   param_paths=param_paths, fsdp=fsdp, fsdp_paths=fsdp_paths,
-                   **settings), flat_args
+                   param_paths=param_paths, fsdp=fsdp, **settings), flat_args
+
+    @property
+    def fsdp_paths(self) -> dict:
+        """The part of ``param_paths`` of the FSDP leaves."""
+        return {i: {path: j for path, j in by_path.items() if j in self.fsdp}
+                for i, by_path in self.param_paths.items()}
 
     def loss(self, *array_args):
         """``fun`` of the arguments as they travelled, their other leaves put back."""

@@ -94,7 +94,7 @@ def _gather_fsdp_leaves(call, i: int, tree):
     for n, (path, shard) in enumerate(flat):
         j = by_path.get(jax.tree_util.keystr(path))
         if j is not None:
-            leaves[n] = _gather_fsdp_leaf(call, j, shard, _gather_key(call, j))
+            leaves[n] = _gather_fsdp_leaf(call, j, shard, gather_key(call.key, j))
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
@@ -110,7 +110,7 @@ def _decoding_at_use(call, i: int, state):
         j = by_path.get(jax.tree_util.keystr(path))
         if j is None:
             continue
-        leaf_key = _gather_key(call, j)
+        leaf_key = gather_key(call.key, j)
         if spec_axes(call.specs[j]) != [call.axis_name]:  # blocks: gathered at the start
             variables[n] = variables[n].copy(_gather_fsdp_leaf(call, j, shard, leaf_key))
             continue
@@ -124,11 +124,6 @@ def _decoding_at_use(call, i: int, state):
 
 def _decode_one(settings, dim: int, shard, packets, key):
     return finish_gather(settings, [shard], packets, key, axes=[dim], tiled=True)[0]
-
-
-def _gather_key(call, j: int):
-    """The noise key of FSDP leaf ``j``'s gather and of its gradient's reduce-scatter."""
-    return gather_key(call.key, j)
 
 
 def _gather_fsdp_leaf(call, j: int, shard, key):
