@@ -18,6 +18,14 @@ from cgx_jax._src import netem
 # Real processes: python -m cgx_jax.launch running multiprocess_worker.py
 # ---------------------------------------------------------------------------
 
+
+def launcher_env(**variables) -> dict:
+    """The environment for a command that starts its processes through cgx's launcher (``python
+    -m cgx_jax.launch``, the benchmarks): this one's, ``XLA_FLAGS`` included, since the launcher
+    replaces the device count in it with each process's own and keeps the rest (the suite's
+    compile flags, tests/conftest.py)."""
+    return dict(os.environ, **variables)
+
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(TESTS_DIR, "multiprocess_worker.py")
 
@@ -28,8 +36,7 @@ def launch_worker(num_processes, devices_per_process, out_dir, mode, timeout=120
     command = [sys.executable, "-m", "cgx_jax.launch", "-n", str(num_processes),
                "--devices-per-process", str(devices_per_process), "--timeout", str(timeout - 10),
                "--grace", "2", *extra, "--", sys.executable, WORKER, str(out_dir), mode]
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)  # the launcher sets the device count of each process
+    env = launcher_env()
     start = time.monotonic()
     done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
     return done, time.monotonic() - start

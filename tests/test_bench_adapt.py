@@ -4,13 +4,12 @@ exact step slows with them, and the adaptive mode notices, refits to fewer bits,
 process keeps the same policy (the processes-agree check would stop a run that does not)."""
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 from helpers import usage_error
-from processes import needs_netns
+from processes import launcher_env, needs_netns
 
 import cgx_jax as cgx
 from cgx_jax.bench import adapt
@@ -74,8 +73,7 @@ def test_mean_bits_weighs_the_compressed_leaves_by_size():
 
 
 def run_cli(*args, timeout=400):
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)  # the launcher sets each process's device count
+    env = launcher_env()
     return subprocess.run([sys.executable, "-m", "cgx_jax.bench", "adapt", *args],
                           capture_output=True, text=True, timeout=timeout, env=env)
 

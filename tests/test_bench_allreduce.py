@@ -6,14 +6,13 @@ SIGTERM (the network itself is tested in test_netem.py)."""
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
 
 import pytest
 from helpers import usage_error
-from processes import needs_netns
+from processes import launcher_env, needs_netns
 
 from cgx_jax._src import netem
 from cgx_jax.bench import allreduce
@@ -21,8 +20,7 @@ from cgx_jax.bench.common import parse_size, size_label
 
 
 def run_cli(*args, timeout=240):
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)  # the launcher sets each process's device count
+    env = launcher_env()
     return subprocess.run([sys.executable, "-m", "cgx_jax.bench", "allreduce", *args],
                           capture_output=True, text=True, timeout=timeout, env=env)
 
@@ -150,8 +148,7 @@ def test_shaped_run_removes_the_network_when_workers_time_out():
 @needs_netns
 def test_shaped_run_removes_the_network_on_sigterm():
     prefix = "cgxtbs"
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)
+    env = launcher_env()
     process = subprocess.Popen(
         [sys.executable, "-m", "cgx_jax.bench", "allreduce", "--processes", "2", "--link",
          "100mbit", "--sizes", "16M", "--repeats", "50", "--torch", "no", "--netns-prefix",

@@ -148,8 +148,9 @@ def test_the_adaptive_modes_fit_the_first_summed_gradient_by_their_error_measure
     task = converge.Task(params, loss, lambda step: (batch,), (), None, [])
     mesh = Mesh(np.array(jax.devices()[:4]), (converge.AXIS,))
     policies = converge._policies(["adaptive", "adaptive squared"], mesh, task)
+    grad = jax.jit(jax.grad(loss))  # once compiled: op by op, four gradients take seconds
     summed = jax.tree.map(lambda *shares: sum(shares), *(
-        jax.grad(loss)(params, batch[k * 4:(k + 1) * 4]) for k in range(4)))
+        grad(params, batch[k * 4:(k + 1) * 4]) for k in range(4)))
     table = cgx.layer_errors(summed)
     for mode, error in (("adaptive", "relative"), ("adaptive squared", "squared")):
         want = cgx.fit_policy(table, budget_bits=4.0, base=cgx.LayerPolicy(), error=error)

@@ -3,20 +3,19 @@ checks, the report arithmetic, the models' parameter counts, and an unshaped end
 of every mode (data-parallel and FSDP) across two real processes on a small MLP."""
 
 import json
-import os
 import subprocess
 import sys
 
 import jax
 import pytest
 from helpers import usage_error
+from processes import launcher_env
 
 from cgx_jax.bench import train
 
 
 def run_cli(*args, timeout=400):
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)  # the launcher sets each process's device count
+    env = launcher_env()
     return subprocess.run([sys.executable, "-m", "cgx_jax.bench", "train", *args],
                           capture_output=True, text=True, timeout=timeout, env=env)
 

@@ -18,6 +18,7 @@ import jax
 import numpy as np
 import pytest
 from helpers import load_script
+from processes import launcher_env
 
 EXAMPLE_DIR = os.path.join(os.path.dirname(__file__), os.pardir, "examples", "vit")
 
@@ -107,8 +108,7 @@ RESTART_STEPS, CHECKPOINT_EVERY = 45, 15
 
 
 def _launch_training(checkpoints):
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)  # the launcher sets each process's device count
+    env = launcher_env()
     command = [sys.executable, "-m", "cgx_jax.launch", "-n", "2", "--devices-per-process", "2",
                "--timeout", "300", "--max-restarts", "1", "--",
                sys.executable, TRAIN, "--tiny", "--steps", str(RESTART_STEPS), "--mode", "cgx",
