@@ -68,8 +68,10 @@ AXIS = "data"
 TASKS = ("lm", "digits")
 # Each task's model and training, where the command line leaves them out.
 TASK_DEFAULTS = {
-    "lm": dict(steps=1000, batch=32, width=128, depth=2, heads=4, lr=3e-3, warmup=50),
-    "digits": dict(steps=600, batch=128, width=128, depth=4, heads=4, lr=3e-3, warmup=50),
+    "lm": dict(steps=3000, batch=32, width=128, depth=2, heads=4, lr=3e-3, warmup=50,
+               eval_every=50),
+    "digits": dict(steps=600, batch=128, width=128, depth=4, heads=4, lr=3e-3, warmup=50,
+                   eval_every=25),
 }
 
 
@@ -151,14 +153,16 @@ def _policies(modes, mesh, task) -> dict:
     import cgx_jax as cgx
     from cgx_jax.bench.train import summed_gradient
 
-    policies = {}
+    policies, table = {}, None
     for mode in modes:
         if mode == "exact":
             policies[mode] = None
         elif mode in ADAPTIVE:
-            summed = summed_gradient(mesh, AXIS, lambda p, batch: task.loss(p, *batch),
-                                     task.params, task.batch(0))
-            policies[mode] = cgx.fit_policy(summed, budget_bits=4.0, base=cgx.LayerPolicy(),
+            if table is None:  # one measurement serves both error measures
+                table = cgx.layer_errors(summed_gradient(
+                    mesh, AXIS, lambda p, batch: task.loss(p, *batch), task.params,
+                    task.batch(0)))
+            policies[mode] = cgx.fit_policy(table, budget_bits=4.0, base=cgx.LayerPolicy(),
                                             error=ADAPTIVE[mode])
         else:
             policies[mode] = VARIANTS[mode](cgx) if mode in VARIANTS else cgx.LayerPolicy()
@@ -506,7 +510,7 @@ def main(argv=None) -> int:
     p.add_argument("--participants", type=int, default=4,
                    help="simulated devices over the data axis (default 4)")
     defaults = ", ".join(f"{task}: {values}" for task, values in TASK_DEFAULTS.items())
-    for name in ("steps", "batch", "width", "depth", "heads", "warmup"):
+    for name in ("steps", "batch", "width", "depth", "heads", "warmup", "eval-every"):
         p.add_argument(f"--{name}", type=int, default=None, help=f"default per task ({name})")
     p.add_argument("--lr", type=float, default=None, help=f"peak learning rate; defaults: "
                                                           f"{defaults}")
@@ -514,7 +518,6 @@ def main(argv=None) -> int:
     p.add_argument("--eval-windows", type=int, default=256, help="lm: held-out windows")
     p.add_argument("--noise", type=float, default=1.0,
                    help="digits: the pixels' noise, in standard deviations of the data")
-    p.add_argument("--eval-every", type=int, default=25)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile", default=None, metavar="PATH",
                    help="a link profile from python -m cgx_jax.bench link for --participants "
