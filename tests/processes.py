@@ -19,12 +19,12 @@ from cgx_jax._src import netem
 # ---------------------------------------------------------------------------
 
 
-def launcher_env(**variables) -> dict:
+def launcher_env() -> dict:
     """The environment for a command that starts its processes through cgx's launcher (``python
     -m cgx_jax.launch``, the benchmarks): this one's, ``XLA_FLAGS`` included, since the launcher
     replaces the device count in it with each process's own and keeps the rest (the suite's
     compile flags, tests/conftest.py)."""
-    return dict(os.environ, **variables)
+    return dict(os.environ)
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(TESTS_DIR, "multiprocess_worker.py")
